@@ -1,0 +1,1 @@
+"""Text environments (ALFWorld, ScienceWorld) behind one interface, stepped in host threads."""

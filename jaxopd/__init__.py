@@ -1,0 +1,1 @@
+"""jaxopd: pure-JAX on-policy distillation of multi-turn language agents."""

@@ -1,0 +1,521 @@
+"""The three distillation losses (ActFirst-OPD / vanilla OPD, STI-OPD, ActionOPD) as pure functions of arrays.
+
+Owns the shared clipped-surrogate primitive and its loss aggregation modes, the per-method advantages
+(sampled reverse KL, importance-weighted reverse KL, action-agreement rewards with group centering and
+batch whitening) and STI-OPD's turn-level discrepancy score. Imports nothing from the project.
+
+Conventions: token arrays are ``[batch, length]`` (one row per turn-level response), ``mask`` marks the
+supervised tokens (model-generated; inserted tokens, prompts and padding are 0), log-probabilities are
+natural-log probabilities of the sampled tokens. Every loss returns ``(scalar_loss, metrics)``; the loss
+is minimised.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOG_RATIO_BOUND = 20.0
+"""Log-ratios are clipped to [-20, 20] before exponentiation (ActFirst-OPD App. B.4, as in verl)."""
+SEQ_MEAN_EPSILON = 1e-8
+"""The epsilon of seq-mean-token-mean's per-response denominator (ActFirst-OPD App. B.4)."""
+
+_sg = jax.lax.stop_gradient
+
+
+# --------------------------------------------------------------------------------------------------
+# input checks
+
+
+def _check(where: str, assertion: Callable, *args, **kwargs) -> None:
+    """Runs a chex assertion, re-raising its failure as a ValueError that names the function."""
+    try:
+        assertion(*args, **kwargs)
+    except AssertionError as error:
+        raise ValueError(f"{where}: {error}") from error
+
+
+def _check_token_inputs(where: str, float_arrays: Sequence[chex.Array], mask: chex.Array) -> None:
+    _check(where, chex.assert_rank, list(float_arrays) + [mask], 2)
+    _check(where, chex.assert_equal_shape, list(float_arrays) + [mask])
+    _check(where, chex.assert_type, list(float_arrays), float)
+
+
+def _check_surrogate_config(where: str, clip_eps: float, clip_eps_high: Optional[float],
+                            dual_clip: Optional[float], aggregation: str) -> None:
+    if not clip_eps > 0:
+        raise ValueError(f"{where}: clip_eps must be > 0, got {clip_eps}")
+    if clip_eps_high is not None and not clip_eps_high > 0:
+        raise ValueError(f"{where}: clip_eps_high must be > 0, got {clip_eps_high}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"{where}: dual_clip must be > 1 (or None to disable), got {dual_clip}")
+    if aggregation not in AGGREGATION_MODES:
+        raise ValueError(f"{where}: aggregation must be one of {AGGREGATION_MODES}, got {aggregation!r}")
+
+
+def _as_float(x: chex.Array) -> jax.Array:
+    return jnp.asarray(x).astype(jnp.float32)
+
+
+def _masked_mean(values: chex.Array, mask: chex.Array) -> jax.Array:
+    """Mean of ``values`` over ``mask``; 0 when the mask is empty."""
+    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# shared clipped surrogate
+
+
+class SurrogateTokenTerms(NamedTuple):
+    """Per-token pieces of the dual-clipped surrogate, all ``[batch, length]``."""
+    loss: jax.Array  # the minimised token loss l_DC
+    ratio: jax.Array  # exp(clip(logp - behavior_logp, -20, 20))
+    clipped: jax.Array  # bool: the PPO clip branch is the active one
+    dual_clipped: jax.Array  # bool: the dual-clip cap -kappa * A is the active one (A < 0 only)
+
+
+def clipped_surrogate_token_loss(logp: chex.Array, behavior_logp: chex.Array, advantages: chex.Array,
+                                 *, clip_eps: float = 0.2, clip_eps_high: Optional[float] = None,
+                                 dual_clip: Optional[float] = 3.0) -> SurrogateTokenTerms:
+    """Token loss of the PPO clipped surrogate with dual clipping (Schulman et al. 2017; Ye et al. 2020).
+
+    ratio r = exp(clip(logp - behavior_logp, -20, 20)); with the clipped ratio c(r) = clip(r, 1-δ, 1+δ_high):
+
+      l = max(-A r, -A c(r))                 for A >= 0
+      l = min(max(-A r, -A c(r)), -κ A)      for A < 0     (dual clip, verl's ``clip_ratio_c``)
+
+    This is ActFirst-OPD App. B.4's l_DC and ActionOPD Eq. 9 / Eq. 17 (negated: those maximise h_dual).
+    ``dual_clip=None`` disables the cap. Gradients flow only through ``logp``; ``advantages`` and
+    ``behavior_logp`` are treated as constants.
+    """
+    where = "clipped_surrogate_token_loss"
+    _check(where, chex.assert_equal_shape, [logp, behavior_logp, advantages])
+    _check(where, chex.assert_type, [logp, behavior_logp, advantages], float)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    if not clip_eps > 0 or not high > 0:
+        raise ValueError(f"{where}: clip widths must be > 0, got clip_eps={clip_eps}, clip_eps_high={clip_eps_high}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"{where}: dual_clip must be > 1 (or None to disable), got {dual_clip}")
+    advantages = _sg(_as_float(advantages))
+    log_ratio = jnp.clip(_as_float(logp) - _sg(_as_float(behavior_logp)), -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    ratio = jnp.exp(log_ratio)
+    unclipped_loss = -advantages * ratio
+    clipped_loss = -advantages * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + high)
+    ppo_loss = jnp.maximum(unclipped_loss, clipped_loss)
+    clipped = clipped_loss > unclipped_loss
+    if dual_clip is None:
+        return SurrogateTokenTerms(ppo_loss, ratio, clipped, jnp.zeros_like(clipped))
+    cap = -dual_clip * advantages
+    negative = advantages < 0
+    loss = jnp.where(negative, jnp.minimum(ppo_loss, cap), ppo_loss)
+    dual_clipped = negative & (ppo_loss > cap)
+    return SurrogateTokenTerms(loss, ratio, clipped & ~dual_clipped, dual_clipped)
+
+
+def aggregate_token_loss(token_loss: chex.Array, mask: chex.Array, aggregation: str) -> jax.Array:
+    """Reduces ``[batch, length]`` token losses over the supervised tokens ``mask`` to a scalar.
+
+    - ``token-mean``: sum over all supervised tokens / their number (ActionOPD's active-token mean,
+      STI-OPD Eq. 11's 1/N_tok).
+    - ``seq-mean-token-mean``: each response's sum / (its supervised-token count + 1e-8), then the mean
+      over responses (ActFirst-OPD App. B.4).
+    - ``seq-mean-token-sum``: each response's sum, then the mean over responses.
+
+    A row with no supervised token is padding, not a response: it adds 0 and is not counted among the
+    responses, so padding a batch to a fixed shape leaves the loss unchanged (verl excludes fully masked
+    sequences the same way). An all-empty batch gives 0.
+    """
+    where = "aggregate_token_loss"
+    _check(where, chex.assert_rank, [token_loss, mask], 2)
+    _check(where, chex.assert_equal_shape, [token_loss, mask])
+    if aggregation not in AGGREGATION_MODES:
+        raise ValueError(f"{where}: aggregation must be one of {AGGREGATION_MODES}, got {aggregation!r}")
+    mask = _as_float(mask)
+    token_loss = jnp.where(mask > 0, token_loss, 0.0) * mask
+    if aggregation == "token-mean":
+        return jnp.sum(token_loss) / jnp.maximum(jnp.sum(mask), 1.0)
+    tokens_per_response = jnp.sum(mask, axis=-1)
+    response_loss = jnp.sum(token_loss, axis=-1)
+    if aggregation == "seq-mean-token-mean":
+        response_loss = response_loss / (tokens_per_response + SEQ_MEAN_EPSILON)
+    is_response = (tokens_per_response > 0).astype(jnp.float32)
+    return jnp.sum(response_loss * is_response) / jnp.maximum(jnp.sum(is_response), 1.0)
+
+
+def clipped_surrogate_loss(logp: chex.Array, behavior_logp: chex.Array, advantages: chex.Array,
+                           mask: chex.Array, *, clip_eps: float = 0.2, clip_eps_high: Optional[float] = None,
+                           dual_clip: Optional[float] = 3.0, aggregation: str = "token-mean"
+                           ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The shared dual-clipped PPO surrogate, aggregated over supervised tokens.
+
+    Args:
+      logp: ``[B, L]`` log π_θ of the sampled tokens (differentiated).
+      behavior_logp: ``[B, L]`` log-probs of the policy that produced the tokens (constant).
+      advantages: ``[B, L]`` token advantages (constant).
+      mask: ``[B, L]`` 1 for supervised tokens, 0 elsewhere (bool, int or float).
+      clip_eps, clip_eps_high: PPO clip width δ (and an optional different upper width).
+      dual_clip: κ of the dual clip, or None.
+      aggregation: one of ``AGGREGATION_MODES``.
+
+    Returns:
+      ``(loss, metrics)``; metrics are token means over supervised tokens: ``clip_fraction``,
+      ``dual_clip_fraction``, ``ratio_mean``, ``ratio_max``, ``approx_kl`` (mean of behavior_logp - logp),
+      ``advantage_mean``, and ``supervised_tokens``.
+    """
+    where = "clipped_surrogate_loss"
+    _check_token_inputs(where, [logp, behavior_logp, advantages], mask)
+    _check_surrogate_config(where, clip_eps, clip_eps_high, dual_clip, aggregation)
+    terms = clipped_surrogate_token_loss(logp, behavior_logp, advantages, clip_eps=clip_eps,
+                                         clip_eps_high=clip_eps_high, dual_clip=dual_clip)
+    loss = aggregate_token_loss(terms.loss, mask, aggregation)
+    mask = _as_float(mask)
+    ratio = _sg(terms.ratio)
+    metrics = {
+        "clip_fraction": _masked_mean(terms.clipped.astype(jnp.float32), mask),
+        "dual_clip_fraction": _masked_mean(terms.dual_clipped.astype(jnp.float32), mask),
+        "ratio_mean": _masked_mean(ratio, mask),
+        "ratio_max": jnp.max(jnp.where(mask > 0, ratio, -jnp.inf), initial=1.0),
+        "approx_kl": _masked_mean(_sg(_as_float(behavior_logp) - _as_float(logp)), mask),
+        "advantage_mean": _masked_mean(_as_float(advantages), mask),
+        "supervised_tokens": jnp.sum(mask),
+    }
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# ActFirst-OPD / vanilla OPD
+
+
+def opd_token_advantages(logp: chex.Array, teacher_logp: chex.Array, mask: chex.Array,
+                         kl_coef: float = 1.0) -> jax.Array:
+    """Sampled reverse-KL token advantage A = -β (sg(log π_θ) - log π_T), 0 at masked positions.
+
+    ActFirst-OPD App. B.4 (β = 1); its expectation under student sampling is -KL(π_θ || π_T) (Eq. 4).
+    """
+    where = "opd_token_advantages"
+    _check_token_inputs(where, [logp, teacher_logp], mask)
+    advantages = -kl_coef * (_sg(_as_float(logp)) - _as_float(teacher_logp))
+    return jnp.where(_as_float(mask) > 0, advantages, 0.0)
+
+
+def opd_loss(logp: chex.Array, behavior_logp: chex.Array, teacher_logp: chex.Array, mask: chex.Array,
+             *, kl_coef: float = 1.0, clip_eps: float = 0.2, dual_clip: Optional[float] = 3.0,
+             aggregation: str = "seq-mean-token-mean") -> tuple[jax.Array, dict[str, jax.Array]]:
+    """ActFirst-OPD / vanilla multi-turn OPD loss (ActFirst-OPD Sec. 3 Eq. 4 and App. B.4).
+
+    The advantage A = -β(sg(log π_θ) - log π_T) (β = 1) enters the dual-clipped surrogate with ratio
+    π_θ / π_θold,b (behaviour = stored sampling log-probs), δ = 0.2, κ = 3, seq-mean-token-mean.
+
+    Args:
+      logp: ``[B, L]`` log π_θ of the response tokens under the current parameters (differentiated).
+      behavior_logp: ``[B, L]`` the rollout student's sampling log-probs.
+      teacher_logp: ``[B, L]`` the frozen teacher's log-probs of the same tokens in the same contexts.
+      mask: ``[B, L]`` 1 on model-generated response tokens; 0 on inserted tokens, prompts and padding
+        (excluded from the loss and its normalisation).
+
+    Returns:
+      ``(loss, metrics)``: the surrogate's metrics plus ``sampled_reverse_kl`` (token mean of
+      log π_θ - log π_T, an estimate of the reverse KL under student sampling).
+    """
+    advantages = opd_token_advantages(logp, teacher_logp, mask, kl_coef)
+    loss, metrics = clipped_surrogate_loss(logp, behavior_logp, advantages, mask, clip_eps=clip_eps,
+                                           dual_clip=dual_clip, aggregation=aggregation)
+    metrics["sampled_reverse_kl"] = _masked_mean(_sg(_as_float(logp)) - _as_float(teacher_logp), _as_float(mask))
+    return loss, metrics
+
+
+def reverse_kl_from_logits(student_logits: chex.Array, teacher_logits: chex.Array) -> jax.Array:
+    """Exact per-context reverse KL Σ_v π_θ(v) (log π_θ(v) - log π_T(v)) over the last (vocabulary) axis.
+
+    ActFirst-OPD Eq. 4 / STI-OPD Eq. 2 evaluated over the full vocabulary (differentiable in both inputs).
+    """
+    _check("reverse_kl_from_logits", chex.assert_equal_shape, [student_logits, teacher_logits])
+    student_log_probs = jax.nn.log_softmax(_as_float(student_logits), axis=-1)
+    teacher_log_probs = jax.nn.log_softmax(_as_float(teacher_logits), axis=-1)
+    student_probs = jnp.exp(student_log_probs)
+    # 0 * log 0 = 0: vocabulary entries the student rules out (logit -inf) contribute nothing.
+    terms = jnp.where(student_probs > 0, student_probs * (student_log_probs - teacher_log_probs), 0.0)
+    return jnp.sum(terms, axis=-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# STI-OPD
+
+
+def sti_turn_discrepancy(student_logp: chex.Array, teacher_logp: chex.Array, mask: chex.Array) -> jax.Array:
+    """STI-OPD turn score s_t = mean_k (r - 1 - log r), r = π_T / π_student on the proposal (Eq. 5-7).
+
+    The k3 estimator is >= 0 and zero exactly where the two log-probs agree. Log-ratios are clipped to
+    [-20, 20] before exponentiation. Returns ``[B]``; a row without tokens scores 0.
+    """
+    where = "sti_turn_discrepancy"
+    _check_token_inputs(where, [student_logp, teacher_logp], mask)
+    mask = _as_float(mask)
+    log_r = jnp.clip(_as_float(teacher_logp) - _as_float(student_logp), -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    k3 = jnp.expm1(log_r) - log_r
+    k3 = jnp.where(mask > 0, k3, 0.0)
+    return jnp.sum(k3 * mask, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+
+
+def sti_intervention_probability(turn_score: chex.Array) -> jax.Array:
+    """Intervention probability α = s / (1 + s) (STI-OPD Eq. 8); the intervention odds equal s."""
+    score = _as_float(turn_score)
+    return score / (1.0 + score)
+
+
+def _broadcast_turn_flag(where: str, flag: chex.Array, mask: chex.Array) -> jax.Array:
+    flag = jnp.asarray(flag)
+    if flag.ndim == 1:
+        _check(where, chex.assert_axis_dimension, mask, 0, flag.shape[0])
+        flag = jnp.broadcast_to(flag[:, None], mask.shape)
+    _check(where, chex.assert_equal_shape, [flag, mask])
+    return flag.astype(bool)
+
+
+def sti_importance_weighted_reverse_kl(logp: chex.Array, teacher_logp: chex.Array,
+                                       teacher_generated: chex.Array, mask: chex.Array,
+                                       *, aggregation: str = "token-mean"
+                                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """STI-OPD's exact importance-weighted reverse-KL objective (Eq. 9-11, Algorithm 1 lines 37-40).
+
+    With ℓ = log π_θ - log π_T and ω = π_θ / π_T (Eq. 9): student tokens contribute ℓ, teacher tokens
+    ω ℓ, averaged over all tokens (1/N_tok with the default token-mean). The returned value is exactly
+    Eq. 11. Its gradient is the unbiased gradient of the reverse KL for both branches:
+
+    - teacher tokens are drawn from π_T, which does not depend on θ, so ω ℓ is differentiated as is
+      (E_{x~π_T}[∇(ω ℓ)] = ∇ KL(π_θ || π_T) by Eq. 10);
+    - student tokens are drawn from π_θ itself, so the score-function term sg(ℓ)(log π_θ - sg(log π_θ))
+      (value 0, gradient ℓ ∇log π_θ) is added; differentiating ℓ alone has zero expected gradient.
+
+    Args:
+      logp: ``[B, L]`` log π_θ of the executed tokens (differentiated).
+      teacher_logp: ``[B, L]`` log π_T of the same tokens.
+      teacher_generated: ``[B]`` (per turn) or ``[B, L]`` bool, True where the teacher generated the token.
+      mask: ``[B, L]`` supervised tokens.
+    """
+    where = "sti_importance_weighted_reverse_kl"
+    _check_token_inputs(where, [logp, teacher_logp], mask)
+    if aggregation not in AGGREGATION_MODES:
+        raise ValueError(f"{where}: aggregation must be one of {AGGREGATION_MODES}, got {aggregation!r}")
+    teacher_token = _broadcast_turn_flag(where, teacher_generated, mask)
+    logp = _as_float(logp)
+    log_ratio = logp - _as_float(teacher_logp)
+    importance_weight = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    student_term = log_ratio + _sg(log_ratio) * (logp - _sg(logp))
+    teacher_term = importance_weight * log_ratio
+    token_loss = jnp.where(teacher_token, teacher_term, student_term)
+    loss = aggregate_token_loss(token_loss, mask, aggregation)
+    mask = _as_float(mask)
+    teacher_mask = mask * teacher_token
+    metrics = {
+        "teacher_token_fraction": _masked_mean(teacher_token.astype(jnp.float32), mask),
+        "importance_weight_mean": _masked_mean(_sg(importance_weight), teacher_mask),
+        "supervised_tokens": jnp.sum(mask),
+    }
+    return loss, metrics
+
+
+def sti_behavior_logp(rollout_logp: chex.Array, teacher_logp: chex.Array,
+                      teacher_generated: chex.Array) -> jax.Array:
+    """Behaviour log-probs of a mixed STI trajectory: the teacher's on teacher tokens, else the rollout student's."""
+    where = "sti_behavior_logp"
+    _check(where, chex.assert_equal_shape, [rollout_logp, teacher_logp])
+    teacher_token = _broadcast_turn_flag(where, teacher_generated, rollout_logp)
+    return jnp.where(teacher_token, _as_float(teacher_logp), _as_float(rollout_logp))
+
+
+def sti_opd_loss(logp: chex.Array, rollout_logp: chex.Array, teacher_logp: chex.Array,
+                 teacher_generated: chex.Array, mask: chex.Array, *, clip_eps: float = 0.2,
+                 dual_clip: Optional[float] = 3.0, aggregation: str = "token-mean"
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """STI-OPD's practical PPO form (App. B.3): -ℓ as the reward/advantage in the clipped surrogate.
+
+    The advantage is A = -(sg(log π_θ) - log π_T) on every supervised token; the behaviour policy is the
+    teacher on teacher tokens (so their ratio is ω = π_θ / π_T of Eq. 11, clipped by the surrogate) and
+    the rollout student on student tokens. The paper gives no clip values; the defaults are those of
+    the PPO loss of Trinity-RFT, which the paper trains with (δ = 0.2, dual clip κ = 3, token-mean,
+    matching Eq. 11's 1/N_tok).
+
+    Args:
+      logp: ``[B, L]`` log π_θ (differentiated).
+      rollout_logp: ``[B, L]`` the rollout student's sampling log-probs (used on student tokens).
+      teacher_logp: ``[B, L]`` log π_T of the executed tokens.
+      teacher_generated: ``[B]`` or ``[B, L]`` bool, True where the teacher generated the token.
+      mask: ``[B, L]`` supervised tokens.
+    """
+    where = "sti_opd_loss"
+    _check_token_inputs(where, [logp, rollout_logp, teacher_logp], mask)
+    behavior_logp = sti_behavior_logp(rollout_logp, teacher_logp, teacher_generated)
+    advantages = opd_token_advantages(logp, teacher_logp, mask)
+    loss, metrics = clipped_surrogate_loss(logp, behavior_logp, advantages, mask, clip_eps=clip_eps,
+                                           dual_clip=dual_clip, aggregation=aggregation)
+    mask = _as_float(mask)
+    teacher_token = _broadcast_turn_flag(where, teacher_generated, mask)
+    metrics["teacher_token_fraction"] = _masked_mean(teacher_token.astype(jnp.float32), mask)
+    metrics["sampled_reverse_kl"] = _masked_mean(_sg(_as_float(logp)) - _as_float(teacher_logp), mask)
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# ActionOPD
+
+
+def action_agreement_reward(match_count: chex.Array, valid: chex.Array, num_teacher_samples: int,
+                            match_bonus_scale: float = 0.5) -> jax.Array:
+    """Action-agreement reward r_λ (ActionOPD Eq. 6), elementwise.
+
+    -1 for an invalid action; 0 for a valid action with c = 0 matches; 1 + λ (c - 1)/(K - 1) for c > 0
+    (K = 1: 1 for a match). K is the nominal teacher sample count, kept even when fewer samples were
+    retained (App. A.3). K=3, λ=0.5, teacher multiset [A, A, B]: A → 1.25, B → 1, other → 0, invalid → -1.
+    """
+    where = "action_agreement_reward"
+    _check(where, chex.assert_equal_shape, [match_count, valid])
+    if int(num_teacher_samples) != num_teacher_samples or num_teacher_samples < 1:
+        raise ValueError(f"{where}: num_teacher_samples (K) must be a positive integer, got {num_teacher_samples}")
+    count = _as_float(match_count)
+    bonus = 0.0 if num_teacher_samples == 1 else match_bonus_scale * (count - 1.0) / (num_teacher_samples - 1)
+    reward = jnp.where(count > 0, 1.0 + bonus, 0.0)
+    return jnp.where(jnp.asarray(valid).astype(bool), reward, -1.0)
+
+
+class GroupAdvantages(NamedTuple):
+    """ActionOPD advantages of state groups, all ``[G, N]`` except ``reward_std``."""
+    advantages: jax.Array  # A_{g,i} (Eq. 7); 0 outside retained candidates
+    retained: jax.Array  # bool: a real candidate of a retained group (trained on)
+    reward_std: jax.Array  # scalar σ, the population std of centred rewards over retained candidates
+
+
+def action_group_advantages(rewards: chex.Array, candidate_mask: chex.Array,
+                            group_supervised: Optional[chex.Array] = None, *, epsilon: float = 1e-8,
+                            min_candidates: int = 2, min_reward_range: float = 1e-8) -> GroupAdvantages:
+    """Group centering and batch whitening of ActionOPD rewards (Eq. 7, App. A.4).
+
+    A group is retained when it has supervision (a non-empty teacher multiset), at least
+    ``min_candidates`` candidates and a reward range (max - min) > ``min_reward_range``. Within a retained
+    group every candidate (invalid ones included) is centred on the group mean; the centred rewards are
+    divided by σ + ε, σ the population standard deviation of the centred rewards over all retained
+    candidates (their mean is 0, so no further subtraction).
+
+    Args:
+      rewards: ``[G, N]`` r_λ of each candidate.
+      candidate_mask: ``[G, N]`` True for real candidates, False for padding slots.
+      group_supervised: ``[G]`` True where the group had at least one teacher sample (default all True).
+    """
+    where = "action_group_advantages"
+    _check(where, chex.assert_rank, [rewards, candidate_mask], 2)
+    _check(where, chex.assert_equal_shape, [rewards, candidate_mask])
+    _check(where, chex.assert_type, rewards, float)
+    rewards = _as_float(rewards)
+    candidates = jnp.asarray(candidate_mask).astype(bool)
+    group_supervised = (jnp.ones(rewards.shape[:1], dtype=bool) if group_supervised is None
+                        else jnp.asarray(group_supervised).astype(bool))
+    _check(where, chex.assert_shape, group_supervised, rewards.shape[:1])
+    count = jnp.sum(candidates, axis=-1)
+    highest = jnp.max(jnp.where(candidates, rewards, -jnp.inf), axis=-1)
+    lowest = jnp.min(jnp.where(candidates, rewards, jnp.inf), axis=-1)
+    retained_group = (group_supervised & (count >= min_candidates)
+                      & (highest - lowest > min_reward_range))
+    retained = candidates & retained_group[:, None]
+    weights = retained.astype(jnp.float32)
+    group_mean = jnp.sum(rewards * weights, axis=-1, keepdims=True) / jnp.maximum(
+        jnp.sum(weights, axis=-1, keepdims=True), 1.0)
+    centred = jnp.where(retained, rewards - group_mean, 0.0)
+    reward_std = jnp.sqrt(jnp.sum(centred**2) / jnp.maximum(jnp.sum(weights), 1.0))
+    return GroupAdvantages(centred / (reward_std + epsilon), retained, reward_std)
+
+
+def actionopd_loss(logp: chex.Array, behavior_logp: chex.Array, response_advantages: chex.Array,
+                   response_retained: chex.Array, mask: chex.Array, *, clip_eps: float = 0.2,
+                   dual_clip: Optional[float] = 3.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """ActionOPD's clipped objective (Eq. 8-9 with the dual clip of Eq. 17), minimised as its negation.
+
+    Each response's advantage A_{g,i} weights all its active generated tokens; the loss is the mean over
+    active tokens of retained groups (rows with ``response_retained`` False add nothing, not even to the
+    normalisation). η = 0.2, c_dual = 3.
+
+    Args:
+      logp: ``[B, L]`` log π_θ of the candidate tokens (differentiated).
+      behavior_logp: ``[B, L]`` log π_θold from the rollout.
+      response_advantages: ``[B]`` A_{g,i} (``action_group_advantages(...).advantages`` flattened).
+      response_retained: ``[B]`` bool (``action_group_advantages(...).retained`` flattened).
+      mask: ``[B, L]`` the student's generated tokens (reasoning included; not prompts or observations).
+    """
+    where = "actionopd_loss"
+    _check_token_inputs(where, [logp, behavior_logp], mask)
+    _check(where, chex.assert_shape, [response_advantages, response_retained], mask.shape[:1])
+    _check(where, chex.assert_type, response_advantages, float)
+    active = _as_float(mask) * jnp.asarray(response_retained).astype(jnp.float32)[:, None]
+    advantages = jnp.broadcast_to(_as_float(response_advantages)[:, None], mask.shape)
+    return clipped_surrogate_loss(logp, behavior_logp, advantages, active, clip_eps=clip_eps,
+                                  dual_clip=dual_clip, aggregation="token-mean")
+
+
+# host-side helpers (plain Python) for rewards from action strings
+
+
+def normalize_action(action: str) -> str:
+    """Canonical text of an environment action: NFKC, case-folded, whitespace collapsed."""
+    return re.sub(r"\s+", " ", unicodedata.normalize("NFKC", action).casefold()).strip()
+
+
+def actions_match(candidate: str, teacher: str) -> bool:
+    """Default matcher m_s for text actions (ALFWorld / ScienceWorld commands): equal after normalisation."""
+    return normalize_action(candidate) == normalize_action(teacher)
+
+
+def action_match_count(candidate: Optional[str], teacher_actions: Sequence[str],
+                       matcher: Callable[[str, str], bool] = actions_match) -> int:
+    """c(s, y) = Σ_k m_s(y, y_k^T) (ActionOPD Eq. 5); repeated teacher samples count separately.
+
+    ``candidate=None`` stands for an invalid output, which never matches.
+    """
+    if candidate is None:
+        return 0
+    return sum(1 for teacher in teacher_actions if matcher(candidate, teacher))
+
+
+def action_agreement_rewards(candidates: Sequence[Optional[str]], teacher_actions: Sequence[str],
+                             num_teacher_samples: int, match_bonus_scale: float = 0.5,
+                             matcher: Callable[[str, str], bool] = actions_match) -> list[float]:
+    """Host-side r_λ (ActionOPD Eq. 5-6) of each candidate against the retained teacher multiset.
+
+    ``candidates[i] is None`` marks an invalid output (reward -1). ``teacher_actions`` holds the valid
+    teacher samples (at most K, non-empty: an empty multiset supervises nothing and is a ValueError).
+    """
+    if not teacher_actions:
+        raise ValueError("action_agreement_rewards: the teacher multiset is empty; the state has no supervision")
+    if int(num_teacher_samples) != num_teacher_samples or num_teacher_samples < len(teacher_actions):
+        raise ValueError(f"action_agreement_rewards: num_teacher_samples (K={num_teacher_samples}) must be an "
+                         f"integer >= the {len(teacher_actions)} retained teacher samples")
+    if any(teacher is None for teacher in teacher_actions):
+        raise ValueError("action_agreement_rewards: teacher_actions must hold only valid (non-None) actions")
+    rewards = []
+    for candidate in candidates:
+        if candidate is None:
+            rewards.append(-1.0)
+            continue
+        count = action_match_count(candidate, teacher_actions, matcher)
+        if count == 0:
+            rewards.append(0.0)
+        elif num_teacher_samples == 1:
+            rewards.append(1.0)
+        else:
+            rewards.append(1.0 + match_bonus_scale * (count - 1) / (num_teacher_samples - 1))
+    return rewards
+
+
+__all__ = [
+    "AGGREGATION_MODES", "LOG_RATIO_BOUND", "SEQ_MEAN_EPSILON", "SurrogateTokenTerms", "GroupAdvantages",
+    "clipped_surrogate_token_loss", "aggregate_token_loss", "clipped_surrogate_loss",
+    "opd_token_advantages", "opd_loss", "reverse_kl_from_logits",
+    "sti_turn_discrepancy", "sti_intervention_probability", "sti_importance_weighted_reverse_kl",
+    "sti_behavior_logp", "sti_opd_loss",
+    "action_agreement_reward", "action_group_advantages", "actionopd_loss",
+    "normalize_action", "actions_match", "action_match_count", "action_agreement_rewards",
+]

@@ -1,0 +1,358 @@
+"""Qwen3 decoder in Flax NNX, faithful to transformers' ``modeling_qwen3``.
+
+Owns the architecture (config presets, blocks, RoPE, RMSNorm, GQA attention, SwiGLU MLP, tied or untied
+head) and one forward pass whose attention step is a pluggable function: the dense causal attention in
+this file serves training and scoring, and the sampler passes a paged-cache attention that writes the
+layer's keys/values into its pages. The model itself knows nothing of caches or sampling.
+
+Parameters carry logical axis names in their ``axes`` metadata (``('embed', 'q_heads', 'head_dim')``, ...);
+``jaxopd.models.sharding`` maps them onto a mesh.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = jax.Array
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Architecture and dtype policy of a Qwen3 model (field names follow the HF config where they exist)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int = 151_936
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 40_960
+    dtype: str = "float32"          # activations
+    param_dtype: str = "float32"    # parameters as stored on device
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Qwen3Config.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads}) for grouped-query attention")
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def with_dtypes(self, dtype: str, param_dtype: str | None = None) -> "Qwen3Config":
+        return dataclasses.replace(self, dtype=dtype, param_dtype=param_dtype or dtype)
+
+    @classmethod
+    def preset(cls, name: str, *, dtype: str | None = None) -> "Qwen3Config":
+        """A named architecture: ``qwen3-0.6b``, ``qwen3-1.7b``, ``qwen3-4b``, ``qwen3-8b`` or ``tiny``.
+
+        ``dtype`` defaults to the backend policy: float32 on CPU, bfloat16 on GPU/TPU.
+        """
+        key = name.lower().replace("_", "-")
+        if key not in PRESETS:
+            raise ValueError(f"unknown Qwen3 preset {name!r}; choose one of {sorted(PRESETS)}")
+        dtype = dtype or default_dtype()
+        return dataclasses.replace(PRESETS[key], dtype=dtype, param_dtype=dtype)
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], *, dtype: str | None = None) -> "Qwen3Config":
+        """Build from a Hugging Face ``config.json`` dict (``model_type`` must be ``qwen3``)."""
+        model_type = hf.get("model_type")
+        archs = hf.get("architectures") or []
+        if model_type != "qwen3" or any(a != "Qwen3ForCausalLM" for a in archs):
+            raise ValueError(f"not a Qwen3 checkpoint: model_type={model_type!r}, architectures={archs!r} "
+                             "(expected model_type 'qwen3' / Qwen3ForCausalLM)")
+        if hf.get("attention_bias", False):
+            raise ValueError("Qwen3 checkpoints with attention_bias=True are not supported")
+        dtype = dtype or default_dtype()
+        num_heads = hf["num_attention_heads"]
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
+            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+        rope_scaling = hf.get("rope_scaling") or {}
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
+            raise ValueError(f"rope_scaling {rope_scaling!r} is not supported (only default RoPE)")
+        return cls(
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads", num_heads),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            intermediate_size=hf["intermediate_size"],
+            vocab_size=hf["vocab_size"],
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 40_960)),
+            dtype=dtype,
+            param_dtype=dtype,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` of this architecture."""
+        torch_dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[self.param_dtype]
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            "torch_dtype": torch_dtype,
+        }
+
+
+PRESETS: dict[str, Qwen3Config] = {
+    "qwen3-0.6b": Qwen3Config(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                              intermediate_size=3072, tie_word_embeddings=True),
+    "qwen3-1.7b": Qwen3Config(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                              intermediate_size=6144, tie_word_embeddings=True),
+    "qwen3-4b": Qwen3Config(hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                            intermediate_size=9728, tie_word_embeddings=True),
+    "qwen3-8b": Qwen3Config(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                            intermediate_size=12288, tie_word_embeddings=False),
+    # CPU work: the real vocabulary with a small body (42.0M parameters, 38.9M of them the embedding).
+    "tiny": Qwen3Config(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+                        intermediate_size=768, tie_word_embeddings=True),
+}
+
+
+def default_dtype() -> str:
+    """The dtype policy: float32 on CPU, bfloat16 on accelerators (logits are always float32)."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Blocks
+# ----------------------------------------------------------------------------------------------------------
+def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], dtype, *, std: float = 0.02) -> nnx.Param:
+    assert len(shape) == len(axes), (shape, axes)
+    value = (std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)).astype(dtype)
+    return nnx.Param(value, axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    """HF Qwen3RMSNorm: normalise in float32, cast back to the input dtype, then scale."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, axis_name: str):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=(axis_name,))
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * x32.astype(x.dtype)
+
+
+def rope_cos_sin(positions: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """cos/sin tables ``[..., head_dim]`` for integer positions (HF default RoPE, halves concatenated)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotate-half RoPE. ``x``: ``[B, T, heads, H]``; ``cos``/``sin``: ``[B, T, H]``."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+class AttendFn(Protocol):
+    """The attention step of one layer: keys/values of the new tokens in, attended values out.
+
+    ``q``: ``[B, T, num_heads, H]`` (normed, rotated), ``k``/``v``: ``[B, T, num_kv_heads, H]``;
+    ``layer_cache``: whatever this function threads through layers (``None`` for dense attention).
+    Returns ``([B, T, num_heads, H], new_layer_cache)``.
+    """
+
+    def __call__(self, layer_index: int, q: Array, k: Array, v: Array, layer_cache: Any) -> tuple[Array, Any]: ...
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with per-head q/k RMSNorm before RoPE; the attention step itself is injected."""
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_weight_dnh = _param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), pd)
+        self.k_weight_dkh = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_weight_dkh = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
+        self.o_weight_nhd = _param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), pd)
+        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, pd, "head_dim")
+        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, pd, "head_dim")
+
+    def project_qkv(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        """Queries, keys, values of ``x`` ``[B, T, D]``, q/k normed and rotated: what a KV cache stores."""
+        q = self.q_norm(jnp.einsum("BTD,DNH->BTNH", x, self.q_weight_dnh[...]))
+        k = self.k_norm(jnp.einsum("BTD,DKH->BTKH", x, self.k_weight_dkh[...]))
+        v = jnp.einsum("BTD,DKH->BTKH", x, self.v_weight_dkh[...])
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, attended: Array) -> Array:
+        return jnp.einsum("BTNH,NHD->BTD", attended, self.o_weight_nhd[...])
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_weight_df = _param(rngs, (d, f), ("embed", "mlp"), pd)
+        self.up_weight_df = _param(rngs, (d, f), ("embed", "mlp"), pd)
+        self.down_weight_fd = _param(rngs, (f, d), ("mlp", "embed"), pd)
+
+    def __call__(self, x: Array) -> Array:
+        gate = jnp.einsum("BTD,DF->BTF", x, self.gate_weight_df[...])
+        up = jnp.einsum("BTD,DF->BTF", x, self.up_weight_df[...])
+        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_weight_fd[...])
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: attention, then MLP."""
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, "embed")
+        self.attn = Attention(cfg, rngs=rngs)
+        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, "embed")
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, layer_index: int, x: Array, cos: Array, sin: Array, attend: AttendFn,
+                 layer_cache: Any) -> tuple[Array, Any]:
+        q, k, v = self.attn.project_qkv(self.input_norm(x), cos, sin)
+        attended, layer_cache = attend(layer_index, q, k, v, layer_cache)
+        x = x + self.attn.output(attended.astype(x.dtype))
+        x = x + self.mlp(self.post_attention_norm(x))
+        return x, layer_cache
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dense attention (training, scoring, reference)
+# ----------------------------------------------------------------------------------------------------------
+def grouped_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """Softmax attention with GQA. ``q`` ``[B,T,N,H]``, ``k``/``v`` ``[B,S,K,H]``, ``mask`` ``[B,T,S]`` (True = attend).
+
+    Scores and softmax in float32; a query row with no visible key returns zeros.
+    """
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * (h ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.exp(scores - row_max)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = probs / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def dense_causal_attend(positions: Array, attention_mask: Array) -> AttendFn:
+    """Causal attention over the sequence itself: token i sees token j iff j is real and pos_j <= pos_i."""
+    visible = (positions[:, None, :] <= positions[:, :, None]) & attention_mask[:, None, :].astype(bool)
+
+    def attend(layer_index, q, k, v, layer_cache):
+        del layer_index
+        return grouped_attention(q, k, v, visible), layer_cache
+
+    return attend
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------------
+class Qwen3(nnx.Module):
+    """Qwen3ForCausalLM in NNX."""
+
+    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+        self.config = cfg
+        pd = jnp.dtype(cfg.param_dtype)
+        self.embedding_vd = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, "embed")
+        if not cfg.tie_word_embeddings:
+            self.lm_head_dv = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
+
+    def hidden_states(self, tokens: Array, positions: Array, attend: AttendFn,
+                      cache: Sequence[Any] | None = None) -> tuple[Array, list[Any]]:
+        """Final-normed hidden states ``[B, T, D]`` and the per-layer caches ``attend`` threaded through."""
+        cfg = self.config
+        x = jnp.take(self.embedding_vd[...], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        cache = list(cache) if cache is not None else [None] * cfg.num_layers
+        for i, layer in enumerate(self.layers):
+            x, cache[i] = layer(i, x, cos, sin, attend, cache[i])
+        return self.final_norm(x), cache
+
+    def logits(self, hidden: Array) -> Array:
+        """float32 logits ``[..., V]`` of final hidden states ``[..., D]``."""
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("...D,VD->...V", hidden, self.embedding_vd[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("...D,DV->...V", hidden, self.lm_head_dv[...], preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: Array, positions: Array | None = None,
+                 attention_mask: Array | None = None) -> Array:
+        """Dense causal forward: ``tokens`` ``[B, T]`` → float32 logits ``[B, T, V]``.
+
+        ``positions`` default to ``0..T-1``; ``attention_mask`` (1 = real token) defaults to all ones.
+        With left or right padding pass the real positions of each token.
+        """
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        if attention_mask is None:
+            attention_mask = jnp.ones(tokens.shape, dtype=bool)
+        hidden, _ = self.hidden_states(tokens, positions, dense_causal_attend(positions, attention_mask))
+        return self.logits(hidden)
+
+
+def token_log_probs(logits: Array, targets: Array, temperature: float | Array = 1.0) -> Array:
+    """log softmax(logits / temperature)[targets], in float32."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def count_params(tree: Any) -> int:
+    """Number of scalars in a pytree of arrays or shape structs."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def abstract_model(cfg: Qwen3Config) -> Qwen3:
+    """The model with shape-only parameters (no memory), e.g. to count parameters or plan shardings."""
+    return nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+

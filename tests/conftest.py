@@ -1,0 +1,42 @@
+"""Shared pytest setup: 8 simulated CPU devices, offline Hugging Face, small random Qwen3 checkpoints."""
+import os
+
+# Must happen before jax is imported anywhere: tests simulate an 8-device host for sharding.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+SMALL_HF_CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                       rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+
+
+def make_hf_qwen3(folder, *, tied: bool, seed: int = 0, **overrides):
+    """A random tiny Qwen3 made by transformers and saved with save_pretrained (float32)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(**{**SMALL_HF_CONFIG, **overrides}, tie_word_embeddings=tied)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF inits norms to 1: perturb them so a wrong norm mapping cannot pass
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session", params=[True, False], ids=["tied", "untied"])
+def hf_qwen3(request, tmp_path_factory):
+    """(folder, torch model) of a random tiny Qwen3, tied and untied."""
+    folder = tmp_path_factory.mktemp("hf_tied" if request.param else "hf_untied")
+    model = make_hf_qwen3(folder, tied=request.param)
+    return folder, model
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: heavier tests (run in CI; deselect with -m 'not slow')")
