@@ -11,7 +11,6 @@ import abc
 import base64
 import functools
 import importlib.resources
-import json
 import os
 import re
 import unicodedata
@@ -21,7 +20,8 @@ from typing import Any, Iterable, Mapping, Sequence
 # Qwen2's pre-tokenization split (transformers ``tokenization_qwen2.PRETOKENIZE_REGEX``, the Split pattern of
 # every Qwen2/2.5/3 ``tokenizer.json``). Digits are split one by one (``\p{N}``, not ``\p{N}{1,3}``).
 QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 QWEN_BASE_VOCAB_SIZE = 151_643          # ranks 0..151642 in qwen.tiktoken
@@ -496,14 +496,17 @@ class HFTokenizer(Tokenizer):
         id_list = [int(i) for i in ids]
         for token_id in id_list:
             if not 0 <= token_id < self.vocab_size:
-                raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size}) of {self.folder}")
+                raise ValueError(
+                    f"token id {token_id} is outside the vocabulary [0, {self.vocab_size}) of {self.folder}"
+                )
         return self._tokenizer.decode(id_list, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int:
         if token in self._added_vocab:
             return self._added_vocab[token]
         vocab_key = _bytes_to_byte_level_text(token.encode("utf-8")) if self._byte_level else token
-        token_id = self._tokenizer.get_vocab().get(vocab_key)
+        backend = _backend(self._tokenizer)
+        token_id = backend.token_to_id(vocab_key) if backend is not None else self._tokenizer.get_vocab().get(vocab_key)
         if token_id is None:
             raise ValueError(f"{token!r} is not a single token of the tokenizer in {self.folder}")
         return int(token_id)
@@ -527,15 +530,16 @@ class HFTokenizer(Tokenizer):
         return self.encode(text) if tokenize else text
 
 
+def _backend(hf_tokenizer):
+    """The ``tokenizers.Tokenizer`` behind a fast Hugging Face tokenizer, or None for a slow one."""
+    return getattr(hf_tokenizer, "backend_tokenizer", None)
+
+
 def _has_byte_level_decoder(hf_tokenizer) -> bool:
-    backend = getattr(hf_tokenizer, "backend_tokenizer", None) or getattr(hf_tokenizer, "_tokenizer", None)
-    if backend is None:
-        return False
-    try:
-        decoder = json.loads(backend.to_str()).get("decoder") or {}
-    except Exception:  # a slow (pure Python) tokenizer: no backend graph to inspect
-        return False
-    return decoder.get("type") == "ByteLevel"
+    from tokenizers import decoders
+
+    backend = _backend(hf_tokenizer)
+    return backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
 
 
 @functools.lru_cache(maxsize=1)
@@ -612,27 +616,30 @@ def write_hf_tokenizer_files(folder: str | os.PathLike) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vocab, merges = qwen_bpe_vocab_and_merges()
+    # <|endoftext|> is the one token Qwen2Tokenizer adds on construction: it takes the first free id, 151643.
     hf_tokenizer = Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
         unk_token=None,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
         bos_token=None,
+        eos_token=ENDOFTEXT,
+        pad_token=ENDOFTEXT,
         clean_up_tokenization_spaces=False,
         model_max_length=131072,
     )
     # tiktoken encodes a pre-token found whole in the vocabulary as that one token; so does BPE with this flag.
     hf_tokenizer.backend_tokenizer.model.ignore_merges = True
-    for token_id, token, special in QWEN3_ADDED_TOKENS:
-        added = AddedToken(token, special=special, normalized=False, lstrip=False, rstrip=False, single_word=False)
-        if special:
-            hf_tokenizer.add_special_tokens({"additional_special_tokens": [added]}, replace_extra_special_tokens=False)
-        else:
-            hf_tokenizer.add_tokens([added])
-        got = hf_tokenizer.convert_tokens_to_ids(token)
-        if got != token_id:
-            raise RuntimeError(f"added token {token!r} got id {got} instead of Qwen3's {token_id}")
+    hf_tokenizer.add_tokens(
+        [
+            AddedToken(token, special=special, normalized=False, lstrip=False, rstrip=False, single_word=False)
+            for _, token, special in QWEN3_ADDED_TOKENS[1:]
+        ]
+    )
+    hf_tokenizer.eos_token = IM_END
+    added_vocab = hf_tokenizer.get_added_vocab()
+    for token_id, token, _ in QWEN3_ADDED_TOKENS:
+        if added_vocab.get(token) != token_id:
+            raise RuntimeError(f"added token {token!r} got id {added_vocab.get(token)} instead of Qwen3's {token_id}")
     hf_tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     hf_tokenizer.save_pretrained(str(folder))
     return folder

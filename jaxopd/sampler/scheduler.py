@@ -1,0 +1,176 @@
+"""Host-side continuous-batching scheduler: queues, admission policy, page bookkeeping and preemption.
+
+Owns each sequence's lifecycle (waiting → prefill → decode → finished, with preemption back to waiting)
+and decides, step by step, which prompt chunks to prefill and which sequences to decode, under the
+concurrency cap ``max_concurrency`` (b_max) and the page pool. Plain Python: it never touches a device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from concurrent.futures import Future
+from typing import Literal
+
+from jaxopd.sampler.allocator import OutOfPages, PageAllocator
+from jaxopd.sampler.types import Request
+
+Policy = Literal["fifo", "fast-first", "priority"]
+POLICIES = ("fifo", "fast-first", "priority")
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """A request in flight. ``num_cached`` tokens of ``prompt + generated`` have their KV in the cache."""
+
+    request: Request
+    future: Future
+    arrival: int
+    submitted_at: float
+    prompt: list[int]
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_cached: int = 0
+    state: str = "waiting"            # waiting | prefill | decode | finished
+    slot: int = -1
+    admit_order: int = -1
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.length == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, *, max_slots: int, page_size: int, num_pages: int, policy: Policy,
+                 prefill_chunk: int, max_prefill_tokens: int, max_prefill_rows: int):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
+        self.policy = policy
+        self.max_slots = max_slots
+        self.max_concurrency = max_slots
+        self.page_size = page_size
+        self.prefill_chunk = prefill_chunk
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_rows = max_prefill_rows
+        self.allocator = PageAllocator(num_pages)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []          # admitted: prefill or decode, in admission order
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self._admit_counter = itertools.count()
+        self.preempted: list[Sequence] = []        # preemptions of the last step (engine reports them)
+
+    # ------------------------------------------------------------------ queue
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def _order_key(self, seq: Sequence):
+        if self.policy == "fast-first":
+            return (seq.request.kind != "fast", seq.num_preemptions == 0, seq.arrival)
+        if self.policy == "priority":
+            return (seq.request.priority, seq.num_preemptions == 0, seq.arrival)
+        return (seq.num_preemptions == 0, seq.arrival)   # fifo; preempted sequences go first (as vLLM)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def admit(self, now: float) -> list[Sequence]:
+        """Admit waiting sequences in policy order while a slot, the cap and the pages allow."""
+        admitted = []
+        self.waiting.sort(key=self._order_key)
+        while self.waiting and len(self.running) < self.max_concurrency and self._free_slots:
+            seq = self.waiting[0]
+            needed = self.pages_for(seq.num_tokens + 1)   # the prompt and the first decoded token
+            if needed > self.allocator.num_free:
+                break                                      # wait for pages; never skip ahead of the head
+            self.waiting.pop(0)
+            seq.pages = self.allocator.allocate(needed)
+            seq.slot = self._free_slots.pop()
+            seq.state = "prefill"
+            seq.num_cached = 0
+            seq.admit_order = next(self._admit_counter)
+            if seq.admitted_at is None:
+                seq.admitted_at = now
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def prefill_chunks(self) -> list[PrefillChunk]:
+        """Chunks of prompts still to prefill, oldest admission first, within the token and row budget."""
+        chunks, budget = [], self.max_prefill_tokens
+        for seq in self.running:
+            if seq.state != "prefill" or len(chunks) >= self.max_prefill_rows:
+                continue
+            length = min(self.prefill_chunk, seq.num_tokens - seq.num_cached, budget)
+            if length <= 0:
+                break
+            chunks.append(PrefillChunk(seq, seq.num_cached, length))
+            budget -= length
+        return chunks
+
+    def decode_sequences(self) -> list[Sequence]:
+        """Sequences to decode this step, each with a page for its next position (preempting if needed)."""
+        self.preempted = []
+        for seq in list(self.running):
+            if seq.state != "decode" or seq not in self.running:
+                continue
+            while self.pages_for(seq.num_cached + 1) > len(seq.pages):
+                try:
+                    seq.pages += self.allocator.allocate(1)
+                except OutOfPages:
+                    victim = self._choose_victim()
+                    self.preempt(victim)
+                    if victim is seq:
+                        break
+        return [s for s in self.running if s.state == "decode"]
+
+    def _choose_victim(self) -> Sequence:
+        """The lowest-priority (largest priority value), most recently admitted running sequence."""
+        return max(self.running, key=lambda s: (s.request.priority, s.admit_order))
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's pages and requeue it; its KV is recomputed (prompt + generated) on re-admission."""
+        self.running.remove(seq)
+        self.allocator.release(seq.pages)
+        seq.pages = []
+        self._free_slots.append(seq.slot)
+        seq.slot = -1
+        seq.state = "waiting"
+        seq.num_cached = 0
+        seq.num_preemptions += 1
+        self.waiting.append(seq)
+        self.preempted.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence's pages and slot."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.allocator.release(seq.pages)
+            self._free_slots.append(seq.slot)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.pages = []
+        seq.slot = -1
+        seq.state = "finished"

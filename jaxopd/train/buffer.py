@@ -1,0 +1,306 @@
+"""Turn-level samples on their way from rollout to the optimizer: the FIFO buffer and batch collation.
+
+Owns the ``Sample`` record (one response with its context), the FIFO ``SampleBuffer`` that enforces the
+version-lag bound (stale samples are dropped at batch construction, consumed samples never come back),
+its checkpointable form, and collation of samples into a padded ``TrainBatch`` of host arrays.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Iterable, Sequence
+
+import jax
+import numpy as np
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One sample
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sample:
+    """One turn-level response in its context; every per-token array is indexed by token position.
+
+    tokens: ``[L]`` int — context (prompt, history, inserted tokens) followed by the response.
+    loss_mask: ``[L]`` bool — True on the model-generated tokens that are supervised; position 0 has no
+      context to be predicted from and must be False.
+    behavior_logp: ``[L]`` float — log-probability of each token under the policy that sampled it (0 where
+      ``loss_mask`` is False).
+    policy_version: the student version whose weights generated the response.
+    teacher_logp: optional ``[L]`` float — the teacher's log-probabilities of the tokens, when the rollout
+      already computed them (STI does for its discrepancy score); otherwise the teacher scorer fills them.
+    teacher_generated: optional ``[L]`` bool — STI-OPD: True on tokens the teacher generated.
+    advantage / retained: ActionOPD's response advantage A_{g,i} and whether its group was retained.
+    sample_id: assigned by the buffer (``-1`` before).
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    behavior_logp: np.ndarray
+    policy_version: int
+    teacher_logp: np.ndarray | None = None
+    teacher_generated: np.ndarray | None = None
+    advantage: float = 0.0
+    retained: bool = True
+    sample_id: int = -1
+
+    def __post_init__(self):
+        tokens = np.asarray(self.tokens)
+        if tokens.ndim != 1 or tokens.size < 2:
+            raise ValueError(f"Sample.tokens must be a 1-D array of at least 2 tokens, got shape {tokens.shape}")
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"Sample.tokens must be integers, got {tokens.dtype}")
+        object.__setattr__(self, "tokens", tokens.astype(np.int32))
+        length = tokens.shape[0]
+
+        def per_token(name, dtype):
+            value = getattr(self, name)
+            if value is None:
+                return
+            value = np.asarray(value)
+            if value.shape != (length,):
+                raise ValueError(f"Sample.{name} must have shape ({length},) like tokens, got {value.shape}")
+            object.__setattr__(self, name, value.astype(dtype))
+
+        for required in ("loss_mask", "behavior_logp"):
+            if getattr(self, required) is None:
+                raise ValueError(f"Sample.{required} is required")
+        per_token("loss_mask", bool)
+        per_token("behavior_logp", np.float32)
+        per_token("teacher_logp", np.float32)
+        per_token("teacher_generated", bool)
+        if self.loss_mask[0]:
+            raise ValueError("Sample.loss_mask[0] must be False: the first token has no context to predict it from")
+        if not np.all(np.isfinite(self.behavior_logp[self.loss_mask])):
+            raise ValueError("Sample.behavior_logp must be finite on supervised tokens")
+        if int(self.policy_version) != self.policy_version or self.policy_version < 0:
+            raise ValueError(f"Sample.policy_version must be a non-negative integer, got {self.policy_version!r}")
+        object.__setattr__(self, "policy_version", int(self.policy_version))
+        object.__setattr__(self, "advantage", float(self.advantage))
+        object.__setattr__(self, "retained", bool(self.retained))
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_supervised(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The FIFO buffer
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class BufferStats:
+    added: int = 0
+    consumed: int = 0
+    dropped_stale: int = 0
+
+
+class SampleBuffer:
+    """First-in first-out samples with a version-lag bound (ActFirst-OPD App. B.4).
+
+    ``take(n, current_version)`` first discards every buffered sample with
+    ``current_version - policy_version > max_version_lag`` (lag <= 1 by default: samples of the current
+    or the immediately preceding student), then removes and returns the ``n`` oldest remaining ones.
+    Samples stay buffered until taken or dropped; a sample leaves the buffer exactly once.
+    """
+
+    def __init__(self, max_version_lag: int = 1):
+        if int(max_version_lag) != max_version_lag or max_version_lag < 0:
+            raise ValueError(f"max_version_lag must be a non-negative integer, got {max_version_lag!r}")
+        self.max_version_lag = int(max_version_lag)
+        self._queue: collections.deque[Sample] = collections.deque()
+        self._next_id = 0
+        self.stats = BufferStats()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, samples: Iterable[Sample]) -> list[int]:
+        """Appends samples (oldest first) and returns the ids the buffer gave them."""
+        ids = []
+        for sample in samples:
+            if not isinstance(sample, Sample):
+                raise ValueError(f"SampleBuffer.add takes Sample objects, got {type(sample).__name__}")
+            if sample.sample_id >= 0:
+                raise ValueError(f"sample {sample.sample_id} was already buffered once; a sample is never reused")
+            sample = dataclasses.replace(sample, sample_id=self._next_id)
+            self._next_id += 1
+            self._queue.append(sample)
+            ids.append(sample.sample_id)
+        self.stats.added += len(ids)
+        return ids
+
+    def drop_stale(self, current_version: int) -> int:
+        """Discards samples more than ``max_version_lag`` versions behind; returns how many."""
+        newest = max((s.policy_version for s in self._queue), default=-1)
+        if newest > current_version:
+            raise ValueError(f"a buffered sample comes from policy version {newest}, newer than the current "
+                             f"version {current_version}")
+        oldest_allowed = current_version - self.max_version_lag
+        kept = [s for s in self._queue if s.policy_version >= oldest_allowed]
+        dropped = len(self._queue) - len(kept)
+        self._queue = collections.deque(kept)
+        self.stats.dropped_stale += dropped
+        return dropped
+
+    def available(self, current_version: int) -> int:
+        """How many samples a ``take`` at ``current_version`` could return (nothing is removed)."""
+        return sum(1 for s in self._queue if current_version - s.policy_version <= self.max_version_lag)
+
+    def take(self, batch_size: int, current_version: int, *, allow_partial: bool = False) -> list[Sample]:
+        """Drops stale samples, then removes and returns the ``batch_size`` oldest.
+
+        With fewer than ``batch_size`` fresh samples, returns ``[]`` and removes nothing fresh (or, with
+        ``allow_partial``, returns all of them).
+        """
+        if int(batch_size) != batch_size or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        self.drop_stale(current_version)
+        if len(self._queue) < batch_size and not allow_partial:
+            return []
+        count = min(batch_size, len(self._queue))
+        batch = [self._queue.popleft() for _ in range(count)]
+        self.stats.consumed += count
+        return batch
+
+    # -- checkpointable form ---------------------------------------------------------------------------
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """``(metadata, arrays)``: JSON-serialisable bookkeeping and the concatenated per-token arrays.
+
+        Arrays with no element are left out (checkpoint libraries refuse zero-size arrays).
+        """
+        samples = list(self._queue)
+        metadata = {
+            "max_version_lag": self.max_version_lag,
+            "next_id": self._next_id,
+            "stats": dataclasses.asdict(self.stats),
+            "samples": [{"sample_id": s.sample_id, "policy_version": s.policy_version, "length": len(s),
+                         "advantage": s.advantage, "retained": s.retained,
+                         "has_teacher_logp": s.teacher_logp is not None,
+                         "has_teacher_generated": s.teacher_generated is not None} for s in samples],
+        }
+        arrays: dict[str, np.ndarray] = {}
+
+        def concat(name, dtype):
+            parts = [getattr(s, name) for s in samples if getattr(s, name) is not None]
+            if parts and sum(p.size for p in parts):
+                arrays[name] = np.concatenate(parts).astype(dtype)
+
+        concat("tokens", np.int32)
+        concat("loss_mask", np.bool_)
+        concat("behavior_logp", np.float32)
+        concat("teacher_logp", np.float32)
+        concat("teacher_generated", np.bool_)
+        return metadata, arrays
+
+    @classmethod
+    def from_state(cls, metadata: dict[str, Any], arrays: dict[str, np.ndarray]) -> "SampleBuffer":
+        """Rebuilds a buffer from :meth:`state` (the same samples, ids, order and counters)."""
+        buffer = cls(metadata["max_version_lag"])
+        buffer._next_id = int(metadata["next_id"])
+        buffer.stats = BufferStats(**metadata["stats"])
+        offsets = collections.Counter()
+
+        def pop(name, length):
+            start = offsets[name]
+            offsets[name] += length
+            return np.asarray(arrays[name][start:start + length])
+
+        for entry in metadata["samples"]:
+            length = entry["length"]
+            buffer._queue.append(Sample(
+                tokens=pop("tokens", length), loss_mask=pop("loss_mask", length),
+                behavior_logp=pop("behavior_logp", length), policy_version=entry["policy_version"],
+                teacher_logp=pop("teacher_logp", length) if entry["has_teacher_logp"] else None,
+                teacher_generated=pop("teacher_generated", length) if entry["has_teacher_generated"] else None,
+                advantage=entry["advantage"], retained=entry["retained"], sample_id=entry["sample_id"]))
+        for name, used in offsets.items():
+            if used != arrays[name].shape[0]:
+                raise ValueError(f"buffer checkpoint: array {name!r} has {arrays[name].shape[0]} entries, "
+                                 f"the sample list accounts for {used}")
+        return buffer
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Collation
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TrainBatch:
+    """A padded batch of samples; per-token arrays ``[B, T]`` indexed by token position, per-response ``[B]``.
+
+    Rows are right-padded (``attention_mask`` False, ``loss_mask`` False); padding rows (all False) stand
+    for missing samples and add nothing to any loss. ``teacher_logp`` holds zeros until scored.
+    """
+
+    tokens: Any              # [B, T] int32
+    positions: Any           # [B, T] int32
+    attention_mask: Any      # [B, T] bool
+    loss_mask: Any           # [B, T] bool — supervised model-generated tokens
+    behavior_logp: Any       # [B, T] float32
+    teacher_logp: Any        # [B, T] float32
+    teacher_generated: Any   # [B, T] bool (STI-OPD)
+    advantages: Any          # [B] float32 (ActionOPD)
+    retained: Any            # [B] bool (ActionOPD)
+    policy_version: Any      # [B] int32 (-1 on padding rows)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)
+
+    def replace(self, **changes) -> "TrainBatch":
+        return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(TrainBatch, data_fields=[f.name for f in dataclasses.fields(TrainBatch)],
+                                 meta_fields=[])
+
+
+def padded_length(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def collate_samples(samples: Sequence[Sample], *, batch_size: int | None = None, length: int | None = None,
+                    length_multiple: int = 16, pad_token_id: int = 0) -> TrainBatch:
+    """Right-pads ``samples`` into a ``TrainBatch`` of numpy arrays.
+
+    ``length`` defaults to the longest sample rounded up to ``length_multiple`` (a few shapes, few
+    recompiles); ``batch_size`` (default ``len(samples)``) adds empty padding rows.
+    """
+    samples = list(samples)
+    batch_size = len(samples) if batch_size is None else batch_size
+    if batch_size < 1 or len(samples) > batch_size:
+        raise ValueError(f"collate_samples: {len(samples)} samples do not fit a batch of {batch_size}")
+    longest = max((len(s) for s in samples), default=1)
+    length = padded_length(longest, length_multiple) if length is None else length
+    if longest > length:
+        raise ValueError(f"collate_samples: a sample has {longest} tokens, more than the batch length {length}")
+    tokens = np.full((batch_size, length), pad_token_id, np.int32)
+    attention_mask = np.zeros((batch_size, length), bool)
+    loss_mask = np.zeros((batch_size, length), bool)
+    behavior_logp = np.zeros((batch_size, length), np.float32)
+    teacher_logp = np.zeros((batch_size, length), np.float32)
+    teacher_generated = np.zeros((batch_size, length), bool)
+    advantages = np.zeros((batch_size,), np.float32)
+    retained = np.zeros((batch_size,), bool)
+    policy_version = np.full((batch_size,), -1, np.int32)
+    for row, sample in enumerate(samples):
+        n = len(sample)
+        tokens[row, :n] = sample.tokens
+        attention_mask[row, :n] = True
+        loss_mask[row, :n] = sample.loss_mask
+        behavior_logp[row, :n] = np.where(sample.loss_mask, sample.behavior_logp, 0.0)
+        if sample.teacher_logp is not None:
+            teacher_logp[row, :n] = sample.teacher_logp
+        if sample.teacher_generated is not None:
+            teacher_generated[row, :n] = sample.teacher_generated
+        advantages[row] = sample.advantage
+        retained[row] = sample.retained
+        policy_version[row] = sample.policy_version
+    positions = np.broadcast_to(np.arange(length, dtype=np.int32), (batch_size, length)).copy()
+    return TrainBatch(tokens, positions, attention_mask, loss_mask, behavior_logp, teacher_logp,
+                      teacher_generated, advantages, retained, policy_version)
+
+
+__all__ = ["Sample", "BufferStats", "SampleBuffer", "TrainBatch", "collate_samples", "padded_length"]

@@ -1,0 +1,322 @@
+"""The jitted, sharded train step of the student and the jitted teacher scorer.
+
+Owns the train state (step, parameters, optimizer state), the optimizer (AdamW with global-norm
+clipping), the shardings of the state and of a batch on a mesh, per-token log-probabilities of a batch
+under a model (optionally in vocabulary-sized chunks), the loss of a batch for each method (calling
+``jaxopd.losses``), and the two compiled programs: ``train_step`` on the trainer mesh and ``score`` on
+the teacher mesh.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxopd import losses
+from jaxopd.models.qwen3 import Qwen3, dense_causal_attend, token_log_probs
+from jaxopd.models.sharding import DATA_AXIS, DEFAULT_RULES, ShardingRules, named_shardings
+from jaxopd.train.buffer import TrainBatch
+
+Metrics = dict[str, jax.Array]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with global-norm gradient clipping; defaults are the papers' (ActFirst-OPD Table 6, ActionOPD
+    Table 7): constant lr 1e-6, β = (0.9, 0.999), weight decay 0.01, clip 1.0.
+
+    ``max_grad_norm=None`` disables clipping. Weight decay applies to every parameter, as torch's AdamW in
+    verl does.
+    """
+
+    learning_rate: float = 1e-6
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self):
+        if not self.learning_rate > 0:
+            raise ValueError(f"OptimizerConfig.learning_rate must be > 0, got {self.learning_rate}")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+            raise ValueError(f"OptimizerConfig betas must lie in [0, 1), got b1={self.b1}, b2={self.b2}")
+        if not self.eps > 0 or self.weight_decay < 0:
+            raise ValueError(f"OptimizerConfig needs eps > 0 and weight_decay >= 0, got eps={self.eps}, "
+                             f"weight_decay={self.weight_decay}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"OptimizerConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+
+
+def make_optimizer(config: OptimizerConfig = OptimizerConfig()) -> optax.GradientTransformation:
+    """``clip_by_global_norm`` (if enabled) followed by AdamW with a constant learning rate."""
+    adamw = optax.adamw(config.learning_rate, b1=config.b1, b2=config.b2, eps=config.eps,
+                        weight_decay=config.weight_decay)
+    if config.max_grad_norm is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
+
+
+LOSS_KINDS = ("opd", "sti-opd", "sti-iw-reverse-kl", "action-opd")
+"""``opd``: ActFirst-OPD / vanilla OPD (dual-clip surrogate of the sampled reverse KL);
+``sti-opd``: STI-OPD's practical PPO form; ``sti-iw-reverse-kl``: STI-OPD's exact importance-weighted
+reverse KL (Eq. 11); ``action-opd``: ActionOPD's clipped objective with response advantages."""
+
+_DEFAULT_AGGREGATION = {"opd": "seq-mean-token-mean", "sti-opd": "token-mean",
+                        "sti-iw-reverse-kl": "token-mean", "action-opd": "token-mean"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Which loss a batch trains and its constants (defaults: each paper's).
+
+    ``aggregation=None`` takes the method's own (ActFirst-OPD seq-mean-token-mean; STI-OPD and ActionOPD
+    token-mean; ActionOPD's is fixed). ``temperature`` divides the student logits before the log-softmax
+    and must equal the rollout sampling temperature. ``logits_chunk_size`` computes the vocabulary
+    projection in chunks of that many positions, rematerialised in the backward pass, so that
+    ``[B, T, V]`` logits never exist at once (None: in one piece).
+    """
+
+    kind: str = "opd"
+    clip_eps: float = 0.2
+    dual_clip: float | None = 3.0
+    aggregation: str | None = None
+    kl_coef: float = 1.0
+    temperature: float = 1.0
+    logits_chunk_size: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in LOSS_KINDS:
+            raise ValueError(f"LossConfig.kind must be one of {LOSS_KINDS}, got {self.kind!r}")
+        if self.aggregation is not None and self.aggregation not in losses.AGGREGATION_MODES:
+            raise ValueError(f"LossConfig.aggregation must be one of {losses.AGGREGATION_MODES} or None, "
+                             f"got {self.aggregation!r}")
+        if self.kind == "action-opd" and self.aggregation not in (None, "token-mean"):
+            raise ValueError("ActionOPD aggregates by the active-token mean; aggregation must be None or 'token-mean'")
+        if not self.temperature > 0:
+            raise ValueError(f"LossConfig.temperature must be > 0, got {self.temperature}")
+        if self.logits_chunk_size is not None and self.logits_chunk_size < 1:
+            raise ValueError(f"LossConfig.logits_chunk_size must be positive or None, got {self.logits_chunk_size}")
+
+    @property
+    def resolved_aggregation(self) -> str:
+        return self.aggregation or _DEFAULT_AGGREGATION[self.kind]
+
+    @property
+    def needs_teacher_logp(self) -> bool:
+        return self.kind != "action-opd"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Train state and shardings
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything an update changes: ``step`` (int32 scalar, = number of updates = policy version),
+    ``params`` (the student's ``nnx.State`` of parameters) and ``opt_state``."""
+
+    step: Any
+    params: Any
+    opt_state: Any
+
+
+jax.tree_util.register_dataclass(TrainState, data_fields=["step", "params", "opt_state"], meta_fields=[])
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def train_state_shardings(abstract_params: nnx.State, optimizer: optax.GradientTransformation, mesh: Mesh,
+                          rules: ShardingRules = DEFAULT_RULES) -> TrainState:
+    """Shardings of a ``TrainState`` on ``mesh``: parameters and every optimizer-state copy of them by the
+    parameters' logical axes, scalars (step, Adam count) replicated."""
+    param_shardings = named_shardings(abstract_params, mesh, rules)
+    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
+    opt_shardings = optax.tree_map_params(optimizer, lambda _, sharding: sharding, abstract_opt_state,
+                                          param_shardings, transform_non_params=lambda _: replicated(mesh))
+    return TrainState(step=replicated(mesh), params=param_shardings, opt_state=opt_shardings)
+
+
+def abstract_train_state(abstract_params: nnx.State, optimizer: optax.GradientTransformation,
+                         shardings: TrainState) -> TrainState:
+    """``jax.ShapeDtypeStruct`` of each leaf of the train state, with its sharding (a restore target)."""
+    abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract_params,
+                          jax.eval_shape(optimizer.init, abstract_params))
+    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                        abstract, shardings)
+
+
+def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, shardings: TrainState) -> TrainState:
+    """A fresh train state (step 0, optimizer initialised) laid out by ``shardings``."""
+    params = jax.device_put(params, shardings.params)
+    init = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)),
+                   in_shardings=(shardings.params,), out_shardings=shardings)
+    return init(params)
+
+
+def batch_shardings(mesh: Mesh, data_axis: str = DATA_AXIS) -> TrainBatch:
+    """A ``TrainBatch`` of shardings: rows split over ``data_axis``, replicated over the other axes."""
+    rows = NamedSharding(mesh, PartitionSpec(data_axis))
+    return TrainBatch(*([rows] * len(dataclasses.fields(TrainBatch))))
+
+
+def _check_rows_divide(rows: int, sharding: NamedSharding) -> None:
+    axes = sharding.spec[0] if len(sharding.spec) else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    split = 1
+    for axis in axes:
+        split *= sharding.mesh.shape[axis]
+    if rows % split:
+        raise ValueError(f"a batch of {rows} rows cannot be split over the {split} data-parallel devices of the "
+                         f"mesh; pad it to a multiple of {split} (collate_samples(batch_size=...))")
+
+
+def place_batch(batch: TrainBatch, shardings: TrainBatch) -> TrainBatch:
+    """Moves a host (or other-mesh) batch onto ``shardings``, checking that the rows divide evenly."""
+    _check_rows_divide(batch.tokens.shape[0], shardings.tokens)
+    return jax.device_put(batch, shardings)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Log-probabilities and losses
+# ----------------------------------------------------------------------------------------------------------
+def sequence_log_probs(model: Qwen3, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
+                       temperature: float = 1.0, logits_chunk_size: int | None = None) -> jax.Array:
+    """``[B, T]`` log-probability of each token given the tokens before it; position 0 (no context) is 0.
+
+    With ``logits_chunk_size`` the vocabulary projection and log-softmax run over that many positions
+    at a time inside a rematerialised ``lax.map``.
+    """
+    hidden, _ = model.hidden_states(tokens, positions, dense_causal_attend(positions, attention_mask))
+    hidden, targets = hidden[:, :-1], tokens[:, 1:]
+    length = hidden.shape[1]
+    if logits_chunk_size is None or logits_chunk_size >= length:
+        logp = token_log_probs(model.logits(hidden), targets, temperature)
+    else:
+        chunks = -(-length // logits_chunk_size)
+        pad = chunks * logits_chunk_size - length
+        hidden_chunks = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        target_chunks = jnp.pad(targets, ((0, 0), (0, pad)))
+        batch = hidden.shape[0]
+        hidden_chunks = hidden_chunks.reshape(batch, chunks, logits_chunk_size, -1).swapaxes(0, 1)
+        target_chunks = target_chunks.reshape(batch, chunks, logits_chunk_size).swapaxes(0, 1)
+
+        @jax.checkpoint
+        def chunk_log_probs(args):
+            chunk_hidden, chunk_targets = args
+            return token_log_probs(model.logits(chunk_hidden), chunk_targets, temperature)
+
+        logp = jax.lax.map(chunk_log_probs, (hidden_chunks, target_chunks))
+        logp = logp.swapaxes(0, 1).reshape(batch, -1)[:, :length]
+    logp = jnp.where(attention_mask[:, 1:].astype(bool), logp, 0.0)
+    return jnp.pad(logp, ((0, 0), (1, 0)))
+
+
+def loss_from_log_probs(logp: jax.Array, batch: TrainBatch, config: LossConfig) -> tuple[jax.Array, Metrics]:
+    """The configured method's loss of a batch given the student's per-token log-probs ``logp`` ``[B, T]``."""
+    mask = batch.loss_mask
+    aggregation = config.resolved_aggregation
+    if config.kind == "opd":
+        return losses.opd_loss(logp, batch.behavior_logp, batch.teacher_logp, mask, kl_coef=config.kl_coef,
+                               clip_eps=config.clip_eps, dual_clip=config.dual_clip, aggregation=aggregation)
+    if config.kind == "sti-opd":
+        return losses.sti_opd_loss(logp, batch.behavior_logp, batch.teacher_logp, batch.teacher_generated, mask,
+                                   clip_eps=config.clip_eps, dual_clip=config.dual_clip, aggregation=aggregation)
+    if config.kind == "sti-iw-reverse-kl":
+        return losses.sti_importance_weighted_reverse_kl(logp, batch.teacher_logp, batch.teacher_generated, mask,
+                                                         aggregation=aggregation)
+    return losses.actionopd_loss(logp, batch.behavior_logp, batch.advantages, batch.retained, mask,
+                                 clip_eps=config.clip_eps, dual_clip=config.dual_clip)
+
+
+def batch_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: TrainBatch, config: LossConfig
+               ) -> tuple[jax.Array, Metrics]:
+    """Loss and metrics of ``batch`` under the student ``params`` (a pure function: differentiate it)."""
+    model = nnx.merge(graphdef, params)
+    logp = sequence_log_probs(model, batch.tokens, batch.positions, batch.attention_mask, config.temperature,
+                              config.logits_chunk_size)
+    loss, metrics = loss_from_log_probs(logp, batch, config)
+    return loss, dict(metrics)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The compiled programs
+# ----------------------------------------------------------------------------------------------------------
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, loss_config: LossConfig,
+                    state_shardings: TrainState, batch_sharding: TrainBatch, *, donate: bool = True
+                    ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]:
+    """``train_step(state, batch) -> (new_state, metrics)`` compiled for the trainer mesh.
+
+    One optimizer update on the gradient of the batch loss. In- and out-shardings are explicit: the state
+    keeps ``state_shardings``, the batch is ``batch_sharding``, metrics come back replicated. With
+    ``donate`` the input state's buffers are reused for the output (do not touch ``state`` afterwards).
+    Metrics: the loss's own metrics plus ``loss``, ``grad_norm`` (before clipping) and ``update_norm``.
+    """
+    mesh = state_shardings.step.mesh
+
+    def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+        (loss, metrics), grads = jax.value_and_grad(batch_loss, has_aux=True)(state.params, graphdef, batch,
+                                                                              loss_config)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads),
+                   "update_norm": optax.global_norm(updates)}
+        metrics = {name: jnp.asarray(value, jnp.float32) for name, value in metrics.items()}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                   out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,) if donate else ())
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherScorer:
+    """Per-token log-probs of token sequences under the teacher, compiled for the teacher mesh.
+
+    ``scorer(params, tokens, positions, attention_mask) -> [B, T]``: inputs (host arrays or arrays on any
+    devices) are first moved to the teacher mesh, rows split over its data axis; the result stays there.
+    """
+
+    compiled: Callable[..., jax.Array]
+    row_sharding: NamedSharding
+
+    def __call__(self, params: nnx.State, tokens: Any, positions: Any, attention_mask: Any) -> jax.Array:
+        _check_rows_divide(tokens.shape[0], self.row_sharding)
+        tokens, positions, attention_mask = jax.device_put((tokens, positions, attention_mask), self.row_sharding)
+        return self.compiled(params, tokens, positions, attention_mask)
+
+
+def make_teacher_scorer(graphdef: nnx.GraphDef, param_shardings: nnx.State, mesh: Mesh, *,
+                        temperature: float = 1.0, logits_chunk_size: int | None = None,
+                        data_axis: str = DATA_AXIS) -> TeacherScorer:
+    """The teacher's scorer on ``mesh`` with the teacher's parameter shardings (see :class:`TeacherScorer`)."""
+    rows = NamedSharding(mesh, PartitionSpec(data_axis))
+
+    def score(params, tokens, positions, attention_mask):
+        model = nnx.merge(graphdef, params)
+        return sequence_log_probs(model, tokens, positions, attention_mask, temperature, logits_chunk_size)
+
+    compiled = jax.jit(score, in_shardings=(param_shardings, rows, rows, rows), out_shardings=rows)
+    return TeacherScorer(compiled, rows)
+
+
+def score_batch(scorer: TeacherScorer, teacher_params: nnx.State, batch: TrainBatch,
+                trainer_batch_sharding: TrainBatch) -> TrainBatch:
+    """Fills ``teacher_logp`` with the teacher's log-probs of the batch's tokens (computed on the teacher
+    mesh, then transferred) and returns the whole batch placed on ``trainer_batch_sharding``."""
+    teacher_logp = scorer(teacher_params, batch.tokens, batch.positions, batch.attention_mask)
+    return place_batch(batch.replace(teacher_logp=teacher_logp), trainer_batch_sharding)
+
+
+__all__ = ["OptimizerConfig", "make_optimizer", "LOSS_KINDS", "LossConfig", "TrainState", "replicated",
+           "train_state_shardings", "abstract_train_state", "init_train_state", "batch_shardings", "place_batch",
+           "sequence_log_probs", "loss_from_log_probs", "batch_loss", "make_train_step", "TeacherScorer",
+           "make_teacher_scorer", "score_batch"]
