@@ -6,18 +6,19 @@ the ``TextEnv`` that plays those games.
 """
 from __future__ import annotations
 
-import contextlib
+import collections
 import dataclasses
+import hashlib
 import json
 import os
 import re
 import sys
 import threading
-import unicodedata
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from envs.base import EnvError, Observation, Task, TextEnv
+from envs.checks import normalize_action
 
 BENCHMARK = "alfworld"
 TASK_TYPES = (
@@ -39,37 +40,54 @@ _TASK_LINE = re.compile(r"^\s*(Your task is to:.*?)\s*$", re.MULTILINE)
 _INVALID_FEEDBACK = "Nothing happens."
 _EXCLUDED_COMMANDS = frozenset({"help"})
 
-# fast_downward.pddl2sas (run by PddlEnv.load and PddlEnv.reset) swaps sys.stdout, overwrites sys.argv and
-# flips module-level translator options between its two passes: two threads translating at once corrupt
-# each other. Every translation in this process goes through this lock.
+# fast_downward.pddl2sas (run twice by PddlEnv.load and twice again by PddlEnv.reset) swaps sys.stdout,
+# overwrites sys.argv and flips module-level translator options between its passes: two threads translating
+# at once corrupt each other. It is also a pure function of its text inputs and the costliest part of a
+# reset (about 1 s per pass for a kitchen). ``_install_translation_cache`` replaces it, process-wide, with a
+# serialised and memoised version, so resetting a loaded game translates nothing.
 _TRANSLATION_LOCK = threading.Lock()
+TRANSLATION_CACHE_SIZE = 32          # (problem, pass) entries; a kitchen game holds about 3.5 MB
+_translations: "collections.OrderedDict[tuple[str, bool], Any]" = collections.OrderedDict()
+
+
+def _install_translation_cache() -> None:
+    import fast_downward
+
+    if getattr(fast_downward.pddl2sas, "_jaxopd_cached", False):
+        return
+    original = fast_downward.pddl2sas
+
+    def pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
+        key = (hashlib.sha256(f"{domain}\0{problem}".encode()).hexdigest(), bool(optimize))
+        with _TRANSLATION_LOCK:
+            if key in _translations:
+                _translations.move_to_end(key)
+                return _translations[key]
+            saved_argv, saved_stdout = list(sys.argv), sys.stdout
+            try:
+                result = original(domain, problem, verbose=verbose, optimize=optimize)
+            finally:
+                sys.argv[:] = saved_argv
+                sys.stdout = saved_stdout
+            _translations[key] = result
+            while len(_translations) > TRANSLATION_CACHE_SIZE:
+                _translations.popitem(last=False)
+            return result
+
+    pddl2sas._jaxopd_cached = True
+    fast_downward.pddl2sas = pddl2sas
 
 
 class NoGamesError(ValueError):
     """No playable ALFWorld game was found where one was asked for."""
 
 
-@contextlib.contextmanager
-def _translation_guard() -> Iterator[None]:
-    with _TRANSLATION_LOCK:
-        saved_argv, saved_stdout = list(sys.argv), sys.stdout
-        try:
-            yield
-        finally:
-            sys.argv[:] = saved_argv
-            sys.stdout = saved_stdout
-
-
-def normalize_command(text: str) -> str:
-    """NFKC, case folding and whitespace collapse: how ALFWorld actions are compared (ActFirst App. B.5)."""
-    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
-
-
 class AlfredEngine:
     """One TextWorld PDDL game session with ALFWorld's demangled object names ("cabinet 3").
 
-    Not thread-safe (one thread drives one engine); the PDDL translation it runs on ``load``/``reset``
-    is serialised process-wide. Engine failures surface as ``EnvError``.
+    Not thread-safe (one thread drives one engine); engines in different threads run concurrently
+    except for PDDL translation, which is serialised and memoised process-wide. Engine failures surface
+    as ``EnvError``.
     """
 
     def __init__(self, *, expert_plan: bool = False) -> None:
@@ -86,6 +104,7 @@ class AlfredEngine:
         except Exception as exc:
             raise EnvError(f"cannot start the TextWorld PDDL engine: {exc!r}") from exc
         self._env = AlfredInfos(AlfredDemangler(self._pddl_env, shuffle=False))
+        _install_translation_cache()
         self._closed = False
 
     @property
@@ -102,16 +121,14 @@ class AlfredEngine:
         self._check_open()
         source = os.fspath(game) if isinstance(game, (str, os.PathLike)) else dict(game)
         try:
-            with _translation_guard():
-                self._env.load(source)
+            self._env.load(source)
         except Exception as exc:
             raise EnvError(f"cannot load ALFWorld game {_describe(game)}: {exc!r}") from exc
 
     def reset(self):
         self._check_open()
         try:
-            with _translation_guard():
-                return self._env.reset()
+            return self._env.reset()
         except Exception as exc:
             raise EnvError(f"ALFWorld reset failed: {exc!r}") from exc
 
@@ -291,6 +308,7 @@ class AlfWorldEnv(TextEnv):
         self._admissible: tuple[str, ...] = ()
         self._admissible_by_norm: dict[str, str] = {}
         self._turn = 0
+        self._expert_plan: tuple[str, ...] = ()
         self._done = True
         self._won = False
         self._closed = False
@@ -306,6 +324,10 @@ class AlfWorldEnv(TextEnv):
                                    f"{str(data_dir_of(self.game_root))!r}")
             self._tasks[split] = tuple(r.as_task() for r in records)
         return self._tasks[split]
+
+    def gold_actions(self, task: Task) -> list[str]:
+        """Same as ``walkthrough`` (the name ``ScienceWorldEnv`` uses for its gold path)."""
+        return self.walkthrough(task)
 
     def walkthrough(self, task: Task) -> list[str]:
         """The planner's solution of ``task`` from its initial state (stored in the game file when present)."""
@@ -346,7 +368,7 @@ class AlfWorldEnv(TextEnv):
             raise ValueError(f"episode of {self._task.task_id} is over; call reset()")
         if not isinstance(action, str):
             raise ValueError(f"action must be a string, got {type(action).__name__}")
-        command = self._admissible_by_norm.get(normalize_command(action))
+        command = self._admissible_by_norm.get(normalize_action(action))
         self._turn += 1
         if command is None:
             obs = Observation(text=_INVALID_FEEDBACK, instruction=self._instruction,
@@ -378,7 +400,7 @@ class AlfWorldEnv(TextEnv):
 
     def _set_admissible(self, state) -> None:
         self._admissible = admissible_actions(state)
-        self._admissible_by_norm = {normalize_command(c): c for c in self._admissible}
+        self._admissible_by_norm = {normalize_action(c): c for c in self._admissible}
 
     def _observation(self, text: str, state, *, reward: float, valid: bool, raw: str) -> Observation:
         return Observation(text=text, instruction=self._instruction, admissible_actions=self._admissible,
@@ -387,8 +409,10 @@ class AlfWorldEnv(TextEnv):
 
     def _info(self, *, raw: str, state) -> dict[str, Any]:
         info: dict[str, Any] = {"game_file": self._loaded_game, "task_type": self._task.task_type, "raw": raw}
-        if self._engine.expert_plan and state is not None:
-            info["expert_plan"] = list(state["policy_commands"])
+        if self._engine.expert_plan:
+            if state is not None:       # an invalid action changes nothing: the last plan still holds
+                self._expert_plan = tuple(state["policy_commands"])
+            info["expert_plan"] = list(self._expert_plan)
         return info
 
     def _truncate(self, obs: Observation) -> Observation:

@@ -1,5 +1,5 @@
 """ALFWorld game generator: authors games of the six task types from the FloorPlan layouts, PDDL domain and
-grammar shipped in the ``alfworld`` wheel, verifies each with the planner, and caches them on disk.
+grammar shipped in the ``alfworld`` wheel, solves and verifies each on the real engine, caches them on disk.
 
 Games are written as an ALFWorld ``json_2.1.1`` tree (``<split>/<task folder>/<trial>/{game.tw-pddl,
 traj_data.json, initial_state.pddl}``) that ``envs.alfworld.AlfWorldEnv`` plays like the official release.
@@ -8,9 +8,13 @@ floor plans (receptacle ids and interaction poses from ``layouts/FloorPlan*-open
 types from ``FloorPlan*-objects.json``), objects are placed at random where ALFRED's tables allow.
 
 Splits follow ALFRED's scene split (``alfworld.gen.constants``): ``train`` and ``valid_seen`` use
-``TRAIN_SCENE_NUMBERS``, ``valid_unseen`` the held-out ``TEST_SCENE_NUMBERS``. Every game is solved
-by TextWorld's planner (fast-downward) and its walkthrough replayed to ``won=True`` before it is kept.
-The same seed gives byte-identical game files whatever the number of worker processes.
+``TRAIN_SCENE_NUMBERS``, ``valid_unseen`` the held-out ``TEST_SCENE_NUMBERS``. Every game gets a
+shortest walkthrough from an exact expert (``expert_steps``; ALFWorld's own ``alfworld-generate`` also
+defaults to a hand-coded expert) which is replayed on the real TextWorld engine and must reach
+``won=True`` exactly at its last step before the game is kept; the walkthrough is stored in
+``game.tw-pddl`` as the official files do. TextWorld's planner (``planner_walkthrough``) finds the same
+plan lengths but takes 2-30 s per kitchen game, so it serves as a cross-check only. The same seed gives
+byte-identical game files whatever the number of worker processes.
 
 CLI: ``python -m envs.alfworld_gen --out DIR --num N --seed S``.
 """
@@ -232,6 +236,7 @@ class GameSpec:
     params: TaskParams
     task_desc: str
     pddl_problem: str
+    expert_steps: tuple[tuple[str, ...], ...]    # the expert's solution, as (verb, *ALFRED ids)
 
     @property
     def relative_dir(self) -> str:
@@ -318,7 +323,8 @@ def sample_game(plan: FloorPlan, task_type: str, rng: random.Random, *, split: s
     problem = render_problem(f"S{seed}_{split}_{index:05d}", plan, objects, agent_location,
                              goals["pddl"].format(obj=params.object_target, recep=params.parent_target,
                                                   toggle=params.toggle_target, mrecep=""))
-    return GameSpec(split, index, seed, plan.scene_num, params, task_desc, problem)
+    steps = expert_steps(plan, params, objects, agent_location)
+    return GameSpec(split, index, seed, plan.scene_num, params, task_desc, problem, steps)
 
 
 def _place_objects(plan: FloorPlan, params: TaskParams, rng: random.Random) -> list[PlacedObject]:
@@ -328,9 +334,9 @@ def _place_objects(plan: FloorPlan, params: TaskParams, rng: random.Random) -> l
 
     def place(otype: str, hosts: Sequence[Receptacle]) -> None:
         host = rng.choice(hosts)
-        while True:
-            jitter = [round(rng.uniform(-0.3, 0.3), 2) for _ in range(3)]
-            position = [p + j for p, j in zip(host.position, jitter)]
+        x, y, z = host.position
+        while True:   # an object's id spells its position: somewhere on its receptacle
+            position = (x + round(rng.uniform(-0.3, 0.3), 2), y, z + round(rng.uniform(-0.3, 0.3), 2))
             alfred_id = "|".join([otype, *map(_fmt, position)])
             if alfred_id not in used_ids:
                 break
@@ -403,51 +409,150 @@ def render_problem(name: str, plan: FloorPlan, objects: Sequence[PlacedObject], 
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------------------------- expert
+
+
+_COMMAND_TEMPLATES = {
+    "go": "go to {0}", "open": "open {0}", "take": "take {0} from {1}", "move": "move {0} to {1}",
+    "heat": "heat {0} with {1}", "cool": "cool {0} with {1}", "clean": "clean {0} with {1}", "use": "use {0}",
+}
+_APPLIANCE_VERB = {"pick_clean_then_place_in_recep": "clean", "pick_heat_then_place_in_recep": "heat",
+                   "pick_cool_then_place_in_recep": "cool"}
+
+
+class _Route:
+    """Expands high-level moves into engine steps, tracking where the agent is and what is open."""
+
+    def __init__(self, agent_location: str) -> None:
+        self.location = agent_location
+        self.opened: set[str] = set()
+        self.steps: list[tuple[str, ...]] = []
+
+    def reach(self, receptacle: Receptacle, *, needs_open: bool) -> None:
+        if self.location != receptacle.location:     # receptacles sharing a pose need no second "go to"
+            self.steps.append(("go", receptacle.alfred_id))
+            self.location = receptacle.location
+        if needs_open and receptacle.openable and receptacle.alfred_id not in self.opened:
+            self.steps.append(("open", receptacle.alfred_id))
+            self.opened.add(receptacle.alfred_id)
+
+    def take(self, obj: PlacedObject) -> "_Route":
+        self.reach(obj.receptacle, needs_open=True)
+        self.steps.append(("take", obj.alfred_id, obj.receptacle.alfred_id))
+        return self
+
+    def put(self, obj: PlacedObject, receptacle: Receptacle) -> "_Route":
+        self.reach(receptacle, needs_open=True)
+        self.steps.append(("move", obj.alfred_id, receptacle.alfred_id))
+        return self
+
+    def apply(self, verb: str, obj: PlacedObject, appliance: Receptacle) -> "_Route":
+        self.reach(appliance, needs_open=False)     # Clean/Heat/CoolObject do not need the door open
+        self.steps.append((verb, obj.alfred_id, appliance.alfred_id))
+        return self
+
+    def use(self, lamp: PlacedObject) -> "_Route":
+        self.reach(lamp.receptacle, needs_open=False)
+        self.steps.append(("use", lamp.alfred_id))
+        return self
+
+
+def expert_steps(plan: FloorPlan, params: TaskParams, objects: Sequence[PlacedObject],
+                 agent_location: str) -> tuple[tuple[str, ...], ...]:
+    """A shortest solution, found by enumerating which target, appliance and goal receptacle to use.
+
+    The generator knows where everything is, so this is exact for the game's initial state: like the
+    PDDL planner with unit costs, but in milliseconds (the planner needs 2-30 s per kitchen game).
+    Ties are broken by the ids involved, so the result is deterministic.
+    """
+    targets = [o for o in objects if o.otype == params.object_target]
+    parents = plan.receptacles_of(params.parent_target) if params.parent_target else ()
+    routes: list[_Route] = []
+    if params.task_type == "pick_and_place_simple":
+        routes = [_Route(agent_location).take(o).put(o, p) for o in targets for p in parents]
+    elif params.task_type == "pick_two_obj_and_place":
+        routes = [_Route(agent_location).take(a).put(a, p).take(b).put(b, p)
+                  for a in targets for b in targets if a is not b for p in parents]
+    elif params.task_type in _APPLIANCE_VERB:
+        verb = _APPLIANCE_VERB[params.task_type]
+        appliances = plan.receptacles_of(TASK_APPLIANCE[params.task_type])
+        routes = [_Route(agent_location).take(o).apply(verb, o, a).put(o, p)
+                  for o in targets for a in appliances for p in parents]
+    elif params.task_type == "look_at_obj_in_light":
+        lamps = [o for o in objects if o.otype == params.toggle_target]
+        routes = [_Route(agent_location).take(o).use(lamp) for o in targets for lamp in lamps]
+    if not routes:
+        raise ValueError(f"no solution for {params} (no target, receptacle or appliance in the room)")
+    best = min(routes, key=lambda route: (len(route.steps), route.steps))
+    return tuple(best.steps)
+
+
 # ------------------------------------------------------------------------------------------ verifying
 
 
 _WORKER_ENGINE: AlfredEngine | None = None
 
 
-def solve_game(game_data: Mapping[str, Any], *, max_steps: int = DEFAULT_MAX_WALKTHROUGH,
-               engine: AlfredEngine | None = None) -> tuple[list[str] | None, str]:
-    """The planner's walkthrough of a game, checked by replay; (None, reason) when it is unusable.
-
-    A walkthrough is kept only if the game is not won at reset, every step is admissible, the game is
-    won exactly at the last step, and it has at most ``max_steps`` actions.
-    """
+def _engine(engine: AlfredEngine | None) -> AlfredEngine:
     global _WORKER_ENGINE
-    if engine is None:
-        if _WORKER_ENGINE is None:
-            _WORKER_ENGINE = AlfredEngine(expert_plan=True)
-        engine = _WORKER_ENGINE
+    if engine is not None:
+        return engine
+    if _WORKER_ENGINE is None:
+        _WORKER_ENGINE = AlfredEngine()
+    return _WORKER_ENGINE
+
+
+def entity_names(game_state: Mapping[str, Any]) -> dict[str, str]:
+    """ALFRED id → the name the engine shows ("Cabinet|+00.68|+00.50|-02.20" → "cabinet 3")."""
+    infos = game_state["_entity_infos"]
+    return {key: info.name.strip() for key, info in infos.items()}
+
+
+def replay_walkthrough(game_data: Mapping[str, Any], steps: Sequence[tuple[str, ...]], *,
+                       engine: AlfredEngine | None = None) -> tuple[list[str] | None, str]:
+    """Play ``steps`` on the real engine; returns (commands, "") if the game is won exactly at the last
+    step with every command admissible and not won before, else (None, reason)."""
+    engine = _engine(engine)
     try:
-        engine.expert_plan = True
+        engine.expert_plan = False
         engine.load(game_data)
         state = engine.reset()
-        plan = list(state["policy_commands"])
         if state["won"]:
             return None, "won at reset"
-        if not plan:
-            return None, "planner found no plan"
-        if len(plan) > max_steps:
-            return None, f"walkthrough has {len(plan)} > {max_steps} steps"
-        engine.expert_plan = False
-        for step, command in enumerate(plan):
+        names = entity_names(state)
+        commands = []
+        for number, (verb, *ids) in enumerate(steps):
+            try:
+                command = _COMMAND_TEMPLATES[verb].format(*(names[mangle(i).lower()] for i in ids))
+            except KeyError as exc:
+                return None, f"step {number} {verb} {ids}: unknown verb or entity {exc}"
             if command not in admissible_actions(state):
-                return None, f"step {step} {command!r} is not admissible"
+                return None, f"step {number} {command!r} is not admissible"
             state, _, _ = engine.step(command)
-            if bool(state["won"]) != (step == len(plan) - 1):
-                return None, f"won={state['won']} after step {step} of {len(plan)}"
-        return plan, ""
+            commands.append(command)
+            if bool(state["won"]) != (number == len(steps) - 1):
+                return None, f"won={state['won']} after step {number} of {len(steps)}"
+        return commands, ""
     except EnvError as exc:
         return None, f"engine error: {exc}"
 
 
-def _solve_job(job: tuple[int, dict[str, Any], int]) -> tuple[int, list[str] | None, str]:
-    slot, game_data, max_steps = job
-    plan, reason = solve_game(game_data, max_steps=max_steps)
-    return slot, plan, reason
+def planner_walkthrough(game_data: Mapping[str, Any], *, engine: AlfredEngine | None = None) -> list[str]:
+    """TextWorld's PDDL planner (fast-downward) solution from the initial state ([] if none). Slow on big
+    rooms (seconds to tens of seconds); the generator uses it only to cross-check the expert."""
+    engine = _engine(engine)
+    engine.expert_plan = True
+    try:
+        engine.load(game_data)
+        return list(engine.reset()["policy_commands"])
+    finally:
+        engine.expert_plan = False
+
+
+def _verify_job(job: tuple[int, dict[str, Any], tuple[tuple[str, ...], ...]]) -> tuple[int, list[str] | None, str]:
+    slot, game_data, steps = job
+    commands, reason = replay_walkthrough(game_data, steps)
+    return slot, commands, reason
 
 
 # ---------------------------------------------------------------------------------------- generation
@@ -496,6 +601,9 @@ def generate_games(out_dir: str | os.PathLike, *, seed: int = 0, counts: Mapping
                    progress: bool = True) -> list[GeneratedGame]:
     """Author, verify and write games; ``counts`` maps split → number of games (task types round-robin).
 
+    Games are distinct by initial state (and goal) across all splits. A game whose walkthrough fails
+    replay or exceeds ``max_walkthrough`` steps is resampled (deterministically, in slot order).
+
     Writes into a temporary sibling folder and renames it to ``out_dir`` when complete (which must not
     exist yet), so a partial tree is never mistaken for a cache.
     """
@@ -526,8 +634,9 @@ def generate_games(out_dir: str | os.PathLike, *, seed: int = 0, counts: Mapping
     try:
         with _solver_pool(workers, len(slots)) as solve_many:
             while pending:
-                failed = []
-                jobs = [(slot, specs[slot].game_data(None), max_walkthrough) for slot in pending]
+                jobs = [(slot, specs[slot].game_data(None), specs[slot].expert_steps) for slot in pending
+                        if len(specs[slot].expert_steps) <= max_walkthrough]
+                failed = [slot for slot in pending if len(specs[slot].expert_steps) > max_walkthrough]
                 for slot, plan, _reason in solve_many(jobs):
                     if plan is None:
                         failed.append(slot)
@@ -578,11 +687,11 @@ class _solver_pool:
 
     def __enter__(self) -> Callable[[list], Iterable]:
         if self.workers == 1:
-            return lambda jobs: map(_solve_job, jobs)
+            return lambda jobs: map(_verify_job, jobs)
         # spawn: the parent may hold JAX or other threads that make fork unsafe
         self._executor = concurrent.futures.ProcessPoolExecutor(
             max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
-        return lambda jobs: self._executor.map(_solve_job, jobs, chunksize=4)
+        return lambda jobs: self._executor.map(_verify_job, jobs, chunksize=4)
 
     def __exit__(self, *exc) -> None:
         if self._executor is not None:

@@ -29,6 +29,7 @@ __all__ = [
     "check_alfworld_transition",
     "check_scienceworld_transition",
     "check_transition",
+    "observation_texts_equivalent",
 ]
 
 _HELP_ACTION = "help"
@@ -300,6 +301,17 @@ def check_scienceworld_transition(action: str | None, admissible_actions: Iterab
     if normalized_action_set(actual.action_templates) != normalized_action_set(reference.action_templates):
         reasons.append("action-template sets differ")
     return TransitionCheck(ok=not reasons, reasons=tuple(reasons))
+
+
+def observation_texts_equivalent(benchmark: str, text_a: str, text_b: str) -> bool:
+    """Whether two observation texts are equal under ``benchmark``'s App. B.5 normalisation.
+
+    ScienceWorld uses :func:`normalize_scienceworld_observation` (its enumerations can come in another
+    order after a reset); every other benchmark uses :func:`normalize_observation`.
+    """
+    if benchmark == "scienceworld":
+        return normalize_scienceworld_observation(text_a) == normalize_scienceworld_observation(text_b)
+    return normalize_observation(text_a) == normalize_observation(text_b)
 
 
 _CHECKS = {"alfworld": check_alfworld_transition, "scienceworld": check_scienceworld_transition}

@@ -16,7 +16,7 @@ import weakref
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from envs.base import EnvError, Observation, Task, TextEnv
-from envs.checks import normalize_action
+from envs.checks import normalize_action, normalize_scienceworld_observation
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +218,10 @@ class ScienceWorldEnv(TextEnv):
 
     Crash recovery: when a call to the JVM fails (``py4j`` error: the process died or the connection
     broke), the JVM is restarted, the task reloaded and the episode's actions replayed (each replayed
-    observation must equal the recorded one), then the call is retried; after ``max_restarts``
-    failed attempts in one call, ``EnvError`` is raised.
+    observation must equal the recorded one in the App. B.5 normal form: the engine may enumerate
+    objects in another order after a reset), then the call is retried; at most ``max_restarts``
+    restarts happen in one call, after which ``EnvError`` is raised (the next call may restart again).
+    With ``max_restarts=0`` a crash is reported at once, e.g. for ``EnvPool`` to rebuild the env.
     """
 
     benchmark = BENCHMARK
@@ -302,15 +304,22 @@ class ScienceWorldEnv(TextEnv):
         if self._closed:
             raise EnvError("this ScienceWorldEnv is closed")
         last_error: BaseException | None = None
-        for attempt in range(self.max_restarts + 1):
+        restarts_left = self.max_restarts
+        while True:
             try:
-                if self._engine is not None and not self._jvm_alive():
-                    self._needs_restart = True
-                if self._engine is None or self._needs_restart:
-                    if self._engine is not None:
-                        self._stop(graceful=False)
-                        self.restarts += 1
-                        logger.warning("ScienceWorld JVM crashed (%s); restart %d", last_error, self.restarts)
+                if self._engine is None:
+                    self._start()
+                    if replay:
+                        self._replay_episode()
+                elif self._needs_restart or not self._jvm_alive():
+                    if restarts_left == 0:
+                        raise EnvError(f"ScienceWorld JVM crashed and max_restarts={self.max_restarts} restarts "
+                                       f"in this call are used up (last error: {last_error})") from last_error
+                    restarts_left -= 1
+                    self._stop(graceful=False)
+                    self.restarts += 1
+                    logger.warning("ScienceWorld JVM crashed (%s); restart %d", last_error or "process exited",
+                                   self.restarts)
                     self._start()
                     self._needs_restart = False
                     if replay:
@@ -319,10 +328,10 @@ class ScienceWorldEnv(TextEnv):
             except Py4JError as error:
                 if self._closed:
                     raise EnvError("this ScienceWorldEnv was closed during a call") from error
+                if self._engine is None:
+                    raise EnvError(f"could not start the ScienceWorld JVM: {error}") from error
                 last_error = error
                 self._needs_restart = True
-        raise EnvError(f"ScienceWorld JVM failed {self.max_restarts + 1} times in one call: {last_error}") \
-            from last_error
 
     def _load(self, task_name: str, variation: int, simplification: str, *, gold: bool) -> None:
         key = (task_name, variation, simplification)
@@ -340,8 +349,10 @@ class ScienceWorldEnv(TextEnv):
         replayed = [self._server.step("look around")]
         for action in self._actions:
             replayed.append(self._server.step(action))
+        # Some variations list objects in another order after a reset, so observations are compared in
+        # the App. B.5 ScienceWorld normal form (lines and enumerations sorted), not byte for byte.
         for turn, (recorded, now) in enumerate(zip(self._texts, replayed)):
-            if recorded != now:
+            if normalize_scienceworld_observation(recorded) != normalize_scienceworld_observation(now):
                 raise EnvError(f"replay of {self._task.task_id} diverged at turn {turn}: "
                                f"recorded {recorded[:200]!r}, replayed {now[:200]!r}")
 

@@ -6,8 +6,9 @@ batch whitening) and STI-OPD's turn-level discrepancy score. Imports nothing fro
 
 Conventions: token arrays are ``[batch, length]`` (one row per turn-level response), ``mask`` marks the
 supervised tokens (model-generated; inserted tokens, prompts and padding are 0), log-probabilities are
-natural-log probabilities of the sampled tokens. Every loss returns ``(scalar_loss, metrics)``; the loss
-is minimised.
+natural-log probabilities of the sampled tokens; values at masked positions are ignored but must be
+finite where they are differentiated (``logp``), as masking uses ``jnp.where``. Every loss returns
+``(scalar_loss, metrics)``; the loss is minimised.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _as_float(x: chex.Array) -> jax.Array:
 
 def _masked_mean(values: chex.Array, mask: chex.Array) -> jax.Array:
     """Mean of ``values`` over ``mask``; 0 when the mask is empty."""
-    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    return jnp.sum(jnp.where(mask > 0, values, 0.0) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ def clipped_surrogate_loss(logp: chex.Array, behavior_logp: chex.Array, advantag
         "clip_fraction": _masked_mean(terms.clipped.astype(jnp.float32), mask),
         "dual_clip_fraction": _masked_mean(terms.dual_clipped.astype(jnp.float32), mask),
         "ratio_mean": _masked_mean(ratio, mask),
-        "ratio_max": jnp.max(jnp.where(mask > 0, ratio, -jnp.inf), initial=1.0),
+        "ratio_max": jnp.max(jnp.where(mask > 0, ratio, 0.0)),  # ratios are > 0; 0 if no token
         "approx_kl": _masked_mean(_sg(_as_float(behavior_logp) - _as_float(logp)), mask),
         "advantage_mean": _masked_mean(_as_float(advantages), mask),
         "supervised_tokens": jnp.sum(mask),
@@ -337,10 +338,15 @@ def sti_opd_loss(logp: chex.Array, rollout_logp: chex.Array, teacher_logp: chex.
     """STI-OPD's practical PPO form (App. B.3): -ℓ as the reward/advantage in the clipped surrogate.
 
     The advantage is A = -(sg(log π_θ) - log π_T) on every supervised token; the behaviour policy is the
-    teacher on teacher tokens (so their ratio is ω = π_θ / π_T of Eq. 11, clipped by the surrogate) and
-    the rollout student on student tokens. The paper gives no clip values; the defaults are those of
-    the PPO loss of Trinity-RFT, which the paper trains with (δ = 0.2, dual clip κ = 3, token-mean,
-    matching Eq. 11's 1/N_tok).
+    teacher on teacher tokens (so their ratio is ω = π_θ / π_T of Eq. 11) and the rollout student on
+    student tokens. The paper gives no clip values; the defaults are those of the PPO loss of
+    Trinity-RFT, which the paper trains with (δ = 0.2, dual clip κ = 3, token-mean, matching Eq. 11's
+    1/N_tok).
+
+    On a teacher token A = -log ω, so the advantage always pushes ω back towards 1 and the δ clip never
+    binds there: the clipping of ω is the dual clip, which zeroes the gradient of tokens with ω > κ. With
+    ``dual_clip=None`` the teacher-token gradient equals Eq. 11's in expectation; on-policy student
+    tokens (ratio 1) likewise.
 
     Args:
       logp: ``[B, L]`` log π_θ (differentiated).
@@ -423,7 +429,7 @@ def action_group_advantages(rewards: chex.Array, candidate_mask: chex.Array,
                       & (highest - lowest > min_reward_range))
     retained = candidates & retained_group[:, None]
     weights = retained.astype(jnp.float32)
-    group_mean = jnp.sum(rewards * weights, axis=-1, keepdims=True) / jnp.maximum(
+    group_mean = jnp.sum(jnp.where(retained, rewards, 0.0), axis=-1, keepdims=True) / jnp.maximum(
         jnp.sum(weights, axis=-1, keepdims=True), 1.0)
     centred = jnp.where(retained, rewards - group_mean, 0.0)
     reward_std = jnp.sqrt(jnp.sum(centred**2) / jnp.maximum(jnp.sum(weights), 1.0))
@@ -447,6 +453,7 @@ def actionopd_loss(logp: chex.Array, behavior_logp: chex.Array, response_advanta
       mask: ``[B, L]`` the student's generated tokens (reasoning included; not prompts or observations).
     """
     where = "actionopd_loss"
+    mask = jnp.asarray(mask)
     _check_token_inputs(where, [logp, behavior_logp], mask)
     _check(where, chex.assert_shape, [response_advantages, response_retained], mask.shape[:1])
     _check(where, chex.assert_type, response_advantages, float)

@@ -162,7 +162,7 @@ class OPDLossTest(chex.TestCase):
         student = jnp.array([[0.0, math.log(3.0)], [1.0, 1.0]])
         teacher = jnp.array([[0.0, 0.0], [0.0, -jnp.inf]])
         kl = self.variant(losses.reverse_kl_from_logits)(student, teacher)
-        # row 0: π = (1/4, 3/4), π_T = (1/2, 1/2); row 1: π = π_T's support violated -> inf
+        # row 0: π = (1/4, 3/4), π_T = (1/2, 1/2); row 1: π puts mass where π_T has none -> inf
         np.testing.assert_allclose(kl[0], 0.25 * math.log(0.5) + 0.75 * math.log(1.5), rtol=1e-6)
         self.assertTrue(np.isinf(kl[1]))
         np.testing.assert_allclose(
@@ -278,7 +278,7 @@ class ActionOPDTest(chex.TestCase):
     def test_group_centering_and_batch_whitening(self):
         rewards = jnp.array([[1.25, 1.0, 0.0, -1.0],   # retained: mean 0.3125
                              [1.0, 1.0, 1.0, 1.0],     # equal rewards: dropped
-                             [0.0, 1.0, 9.0, 9.0],     # two real candidates (mean 0.5), two padding slots
+                             [0.0, 1.0, jnp.nan, 9.0],  # two real candidates (mean 0.5), two padding slots
                              [1.0, 0.0, 0.0, 0.0],     # one real candidate: dropped
                              [1.0, 0.0, -1.0, 0.0]])   # no teacher supervision: dropped
         candidates = jnp.array([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=bool)

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from jaxopd.models.qwen3 import Qwen3
-from jaxopd.sampler.executor import Buckets, DecodeBatch, Executor, PrefillBatch, SamplingArrays, bucket
+from jaxopd.sampler.executor import (Buckets, DecodeBatch, Executor, PrefillBatch, SamplingArrays, bucket,
+                                     compiled_count)
 from jaxopd.sampler.scheduler import POLICIES, PrefillChunk, Scheduler, Sequence
 from jaxopd.sampler.types import Request, Result, Timings
 
@@ -189,7 +190,8 @@ class Engine:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
 
     def compiled_count(self) -> int:
-        return self.executor.compiled_count()
+        """Compiled prefill/decode variants so far (all engines of this process share the caches)."""
+        return compiled_count()
 
     # ------------------------------------------------------------------ the loop
     def _drain_inbox(self) -> list[Sequence]:

@@ -7,6 +7,7 @@ arrays; which buckets exist is fixed at construction, so nothing compiles after 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Sequence
 
@@ -68,6 +69,25 @@ class Buckets:
 # ----------------------------------------------------------------------------------------------------------
 # Sampling
 # ----------------------------------------------------------------------------------------------------------
+def _fmix32(x: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: a bijection with full avalanche."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """A uniform in [0, 1) per (seed, position): a stateless counter-based hash (Philox-style use, murmur
+    mixing). Cheap to compile and run, and independent of batch composition, unlike a split key stream."""
+    seeds = seeds.astype(jnp.uint32)
+    positions = positions.astype(jnp.uint32)
+    mixed = _fmix32(_fmix32(seeds * jnp.uint32(0x9E3779B9) + jnp.uint32(0x7F4A7C15)) ^ (positions + jnp.uint32(1)))
+    mixed = _fmix32(mixed + seeds)
+    return (mixed >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+
+
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array,
                   seeds: jax.Array, sample_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row; return (tokens, log-probabilities).
@@ -75,8 +95,8 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, t
     The reported log-probability is log softmax(logits / temperature) at the sampled token, before top-p /
     top-k truncation (the behaviour log-probability of the OPD ratios); for greedy rows (temperature 0) it is
     the plain log softmax. The random draw of a row depends only on its seed and the position of the token
-    it samples, never on the batch it shares: inverse-CDF sampling with one uniform from
-    ``fold_in(key(seed), position)``.
+    it samples, never on the batch it shares: inverse-CDF sampling with one counter-based uniform
+    ``counter_uniform(seed, position)``.
     """
     greedy = temperature <= 0.0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
@@ -97,8 +117,7 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, t
     needs_truncation = jnp.any((top_k > 0) | (top_p < 1.0))
     probs = jax.lax.cond(needs_truncation, truncated_probs, jnp.exp, logp)
     cdf = jnp.cumsum(probs, axis=-1)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, sample_positions)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+    u = counter_uniform(seeds, sample_positions)
     sampled = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
     sampled = jnp.minimum(sampled, logits.shape[-1] - 1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
@@ -140,10 +159,66 @@ class PrefillBatch:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Jitted steps: module-level, so engines over the same model graph and page geometry share compilations
+# ----------------------------------------------------------------------------------------------------------
+def _paged_attend(attention, page_table, positions, write_pages, write_offsets):
+    def attend(layer_index, q, k, v, layer_cache):
+        del layer_index
+        k_pages, v_pages = layer_cache
+        k_pages = kernels.write_kv_pages(k_pages, k, write_pages, write_offsets)
+        v_pages = kernels.write_kv_pages(v_pages, v, write_pages, write_offsets)
+        return attention(q, k_pages, v_pages, page_table, positions), (k_pages, v_pages)
+    return attend
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def decode_step(graphdef, backend: str, state, kv, tokens, positions, page_table, active,
+                temperature, top_p, top_k, seeds):
+    """One token for every row: write its KV at ``positions``, attend over the row's pages, sample."""
+    model = nnx.merge(graphdef, state)
+    page_size = kv[0][0].shape[1]
+    rows = jnp.arange(tokens.shape[0])
+    page_index = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
+    write_pages = jnp.where(active, page_table[rows, page_index], NULL_PAGE)[:, None]
+    write_offsets = jnp.where(active, positions % page_size, 0)[:, None]
+    attend = _paged_attend(kernels.get_backend(backend), page_table, positions[:, None], write_pages, write_offsets)
+    hidden, kv = model.hidden_states(tokens[:, None], positions[:, None], attend, kv)
+    logits = model.logits(hidden[:, 0])
+    next_tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, seeds, positions + 1)
+    return kv, next_tokens, logprobs
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def prefill_step(graphdef, backend: str, state, kv, tokens, starts, lengths, page_table,
+                 temperature, top_p, top_k, seeds):
+    """One prompt chunk per row: write its KV, attend causally over everything cached, sample after the
+    chunk's last real token (used only when the chunk completes the prompt)."""
+    model = nnx.merge(graphdef, state)
+    page_size = kv[0][0].shape[1]
+    offsets = jnp.arange(tokens.shape[1])[None, :]
+    positions = starts[:, None] + offsets
+    valid = offsets < lengths[:, None]
+    page_index = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
+    write_pages = jnp.where(valid, jnp.take_along_axis(page_table, page_index, axis=1), NULL_PAGE)
+    write_offsets = jnp.where(valid, positions % page_size, 0)
+    attend = _paged_attend(kernels.get_backend(backend), page_table, positions, write_pages, write_offsets)
+    hidden, kv = model.hidden_states(tokens, positions, attend, kv)
+    last = jnp.maximum(lengths - 1, 0)
+    logits = model.logits(hidden[jnp.arange(tokens.shape[0]), last])
+    next_tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, seeds, starts + lengths)
+    return kv, next_tokens, logprobs
+
+
+def compiled_count() -> int:
+    """Entries in the step functions' jit caches (a test asserts this stops growing after warm-up)."""
+    return decode_step._cache_size() + prefill_step._cache_size()
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The executor
 # ----------------------------------------------------------------------------------------------------------
 class Executor:
-    """Holds the model state and the KV pages; runs jitted prefill and decode steps."""
+    """Holds the model state and the KV pages; runs the jitted prefill and decode steps on host batches."""
 
     def __init__(self, model: Qwen3, *, num_pages: int, page_size: int, buckets: Buckets,
                  attention_backend: str = "reference"):
@@ -151,64 +226,25 @@ class Executor:
         self.config = cfg
         self.page_size = page_size
         self.buckets = buckets
+        self.backend = attention_backend
+        kernels.get_backend(attention_backend)   # fail early on an unknown name
         self.graphdef, self.state = nnx.split(model)
-        self._attention = kernels.get_backend(attention_backend)
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         dtype = jnp.dtype(cfg.dtype)
         self.kv = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
-        self._decode_fn = jax.jit(self._decode, donate_argnums=(1,))
-        self._prefill_fn = jax.jit(self._prefill, donate_argnums=(1,))
 
-    # ------------------------------------------------------------------ traced functions
-    def _paged_attend(self, page_table, positions, write_pages, write_offsets):
-        def attend(layer_index, q, k, v, layer_cache):
-            del layer_index
-            k_pages, v_pages = layer_cache
-            k_pages = kernels.write_kv_pages(k_pages, k, write_pages, write_offsets)
-            v_pages = kernels.write_kv_pages(v_pages, v, write_pages, write_offsets)
-            return self._attention(q, k_pages, v_pages, page_table, positions), (k_pages, v_pages)
-        return attend
-
-    def _decode(self, state, kv, tokens, positions, page_table, active, temperature, top_p, top_k, seeds):
-        model = nnx.merge(self.graphdef, state)
-        rows = jnp.arange(tokens.shape[0])
-        page_index = jnp.minimum(positions // self.page_size, page_table.shape[1] - 1)
-        write_pages = jnp.where(active, page_table[rows, page_index], NULL_PAGE)[:, None]
-        write_offsets = jnp.where(active, positions % self.page_size, 0)[:, None]
-        attend = self._paged_attend(page_table, positions[:, None], write_pages, write_offsets)
-        hidden, kv = model.hidden_states(tokens[:, None], positions[:, None], attend, kv)
-        logits = model.logits(hidden[:, 0])
-        next_tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, seeds, positions + 1)
-        return kv, next_tokens, logprobs
-
-    def _prefill(self, state, kv, tokens, starts, lengths, page_table, temperature, top_p, top_k, seeds):
-        model = nnx.merge(self.graphdef, state)
-        offsets = jnp.arange(tokens.shape[1])[None, :]
-        positions = starts[:, None] + offsets
-        valid = offsets < lengths[:, None]
-        page_index = jnp.minimum(positions // self.page_size, page_table.shape[1] - 1)
-        write_pages = jnp.where(valid, jnp.take_along_axis(page_table, page_index, axis=1), NULL_PAGE)
-        write_offsets = jnp.where(valid, positions % self.page_size, 0)
-        attend = self._paged_attend(page_table, positions, write_pages, write_offsets)
-        hidden, kv = model.hidden_states(tokens, positions, attend, kv)
-        last = jnp.maximum(lengths - 1, 0)
-        logits = model.logits(hidden[jnp.arange(tokens.shape[0]), last])
-        next_tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, seeds, starts + lengths)
-        return kv, next_tokens, logprobs
-
-    # ------------------------------------------------------------------ host entry points
     def decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray]:
         s = batch.sampling
-        self.kv, tokens, logprobs = self._decode_fn(
-            self.state, self.kv, batch.tokens, batch.positions, batch.page_table, batch.active,
-            s.temperature, s.top_p, s.top_k, s.seeds)
+        self.kv, tokens, logprobs = decode_step(
+            self.graphdef, self.backend, self.state, self.kv, batch.tokens, batch.positions, batch.page_table,
+            batch.active, s.temperature, s.top_p, s.top_k, s.seeds)
         return np.asarray(tokens), np.asarray(logprobs)
 
     def prefill(self, batch: PrefillBatch) -> tuple[np.ndarray, np.ndarray]:
         s = batch.sampling
-        self.kv, tokens, logprobs = self._prefill_fn(
-            self.state, self.kv, batch.tokens, batch.starts, batch.lengths, batch.page_table,
-            s.temperature, s.top_p, s.top_k, s.seeds)
+        self.kv, tokens, logprobs = prefill_step(
+            self.graphdef, self.backend, self.state, self.kv, batch.tokens, batch.starts, batch.lengths,
+            batch.page_table, s.temperature, s.top_p, s.top_k, s.seeds)
         return np.asarray(tokens), np.asarray(logprobs)
 
     def set_state(self, state: Any) -> None:
@@ -232,7 +268,3 @@ class Executor:
             n += 1
         jax.block_until_ready(self.kv)
         return n
-
-    def compiled_count(self) -> int:
-        """Entries in the jit caches (a test asserts this stops growing after warm-up)."""
-        return self._decode_fn._cache_size() + self._prefill_fn._cache_size()

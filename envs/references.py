@@ -1,0 +1,385 @@
+"""Reference trajectories for reference-conditioned inverse dynamics (ActFirst-OPD Sec. 4.1, App. C.2).
+
+Owns building one reference per training task (ALFWorld: the walkthrough; ScienceWorld: the gold path,
+shortened while replay still succeeds), validating it by replay under the training environment, and
+the on-disk JSON cache of its observations o_1, o_2^ref, ... from which a rollout reads o_{t+1}^ref.
+"""
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import pickle
+import re
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from envs.base import EnvError, Observation, Task, TextEnv
+from envs.checks import normalize_action
+
+REFERENCE_FORMAT_VERSION = 1
+_FILE_SUFFIX = ".ref.json"
+# Which observation fields the App. B.5 checks read from the reference, per benchmark: ALFWorld compares
+# next admissible sets (kept); ScienceWorld compares action-template sets but uses the admissible list
+# (about 1,000 actions a step) only to validate the student's own action, so it is not stored.
+_STORE_ADMISSIBLE = {"alfworld": True, "scienceworld": False}
+_SHORTEN_BY_DEFAULT = {"alfworld": False, "scienceworld": True}
+# Steps of a ScienceWorld gold path that may be no-ops (observing, waiting); never "focus on".
+DROPPABLE_PREFIXES = ("look around", "look at ", "look in ", "inventory", "examine ", "read ", "wait",
+                      "task")
+
+
+class ReferenceBuildError(RuntimeError):
+    """A reference could not be built: no candidate actions, or replay did not reach success."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceObservation:
+    """What the environment showed at one point of the reference (the fields App. B.5 compares)."""
+
+    text: str
+    done: bool = False
+    won: bool = False
+    score: float = 0.0
+    admissible_actions: tuple[str, ...] = ()
+    action_templates: tuple[str, ...] = ()
+
+    @classmethod
+    def from_observation(cls, obs: Observation, *, keep_admissible: bool) -> "ReferenceObservation":
+        return cls(text=obs.text, done=bool(obs.done), won=bool(obs.won), score=float(obs.score),
+                   admissible_actions=tuple(obs.admissible_actions) if keep_admissible else (),
+                   action_templates=tuple(obs.action_templates))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceTrajectory:
+    """A validated action sequence a_1..a_T of one task and the observations o_1..o_{T+1} of its replay.
+
+    ``observations`` are the texts; ``records`` (same length, optional) carry done/won/score and the
+    admissible actions or action templates the transition checks need.
+    """
+
+    task_id: str
+    actions: tuple[str, ...]
+    observations: tuple[str, ...]
+    benchmark: str = ""
+    task_type: str = ""
+    instruction: str = ""
+    records: tuple[ReferenceObservation, ...] = ()
+    source: str = ""                 # "walkthrough" | "gold_path" | ...
+    original_length: int = 0         # number of candidate actions before shortening
+    fingerprint: str = ""            # identity of the task version the reference was built for
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "actions", tuple(self.actions))
+        object.__setattr__(self, "observations", tuple(self.observations))
+        object.__setattr__(self, "records", tuple(self.records))
+        if len(self.observations) != len(self.actions) + 1:
+            raise ValueError(f"reference {self.task_id}: {len(self.actions)} actions need "
+                             f"{len(self.actions) + 1} observations, got {len(self.observations)}")
+        if self.records and [r.text for r in self.records] != list(self.observations):
+            raise ValueError(f"reference {self.task_id}: records do not match the observations")
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+    def next_observation(self, t: int) -> str | None:
+        """o_{t+1}^ref for turn t (1-based as in the paper: at turn t the agent sees o_t and acts a_t).
+
+        For a live ``Observation`` ``obs`` the turn is ``obs.turn + 1``. None once the reference is
+        exhausted (t > T): the rollout then continues without reference guidance.
+        """
+        record = self._index(t)
+        return None if record is None else self.observations[record]
+
+    def next_record(self, t: int) -> ReferenceObservation | None:
+        """The full reference outcome of turn t (text, done, admissible actions, templates), or None."""
+        record = self._index(t)
+        if record is None:
+            return None
+        if not self.records:
+            raise ValueError(f"reference {self.task_id} was stored without observation records")
+        return self.records[record]
+
+    def action(self, t: int) -> str | None:
+        """a_t^ref (used internally by checks, never shown to the student), or None past the end."""
+        return None if self._index(t) is None else self.actions[t - 1]
+
+    def _index(self, t: int) -> int | None:
+        if not isinstance(t, int) or t < 1:
+            raise ValueError(f"turn must be an int >= 1 (paper indexing), got {t!r}")
+        return t if t <= len(self.actions) else None
+
+    # -- JSON
+    def to_json(self) -> dict[str, Any]:
+        return {"format": REFERENCE_FORMAT_VERSION, "task_id": self.task_id, "benchmark": self.benchmark,
+                "task_type": self.task_type, "instruction": self.instruction, "source": self.source,
+                "original_length": self.original_length, "fingerprint": self.fingerprint,
+                "actions": list(self.actions), "observations": list(self.observations),
+                "records": [dataclasses.asdict(r) for r in self.records]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ReferenceTrajectory":
+        if data.get("format") != REFERENCE_FORMAT_VERSION:
+            raise ValueError(f"reference format {data.get('format')!r} is not {REFERENCE_FORMAT_VERSION}")
+        records = tuple(ReferenceObservation(text=r["text"], done=r["done"], won=r["won"], score=r["score"],
+                                             admissible_actions=tuple(r["admissible_actions"]),
+                                             action_templates=tuple(r["action_templates"]))
+                        for r in data.get("records", ()))
+        return cls(task_id=data["task_id"], actions=tuple(data["actions"]),
+                   observations=tuple(data["observations"]), benchmark=data.get("benchmark", ""),
+                   task_type=data.get("task_type", ""), instruction=data.get("instruction", ""),
+                   records=records, source=data.get("source", ""),
+                   original_length=int(data.get("original_length", 0)), fingerprint=data.get("fingerprint", ""))
+
+
+# --------------------------------------------------------------------------------------------- replay
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """Observations of a replay, cut at the first success; ``succeeded`` says whether it was reached."""
+
+    actions: tuple[str, ...]
+    observations: tuple[Observation, ...]
+    succeeded: bool
+    invalid_turns: tuple[int, ...]       # 1-based turns whose action was not valid
+
+
+def replay(env: TextEnv, task: Task, actions: Sequence[str]) -> Replay:
+    """Reset ``task`` and execute ``actions``; stops at the first won observation or when done."""
+    obs = env.reset(task)
+    observations, executed, invalid = [obs], [], []
+    if obs.won:
+        return Replay((), (obs,), True, ())
+    for action in actions:
+        if obs.done:
+            break
+        obs = env.step(action)
+        executed.append(action)
+        observations.append(obs)
+        if not obs.last_action_valid:
+            invalid.append(len(executed))
+        if obs.won:
+            break
+    return Replay(tuple(executed), tuple(observations), bool(obs.won), tuple(invalid))
+
+
+def is_droppable(action: str) -> bool:
+    """Whether a ScienceWorld gold-path step is worth trying to drop (observations and waits)."""
+    text = normalize_action(action)
+    return not text.startswith("focus") and text.startswith(DROPPABLE_PREFIXES)
+
+
+def shorten_actions(env: TextEnv, task: Task, actions: Sequence[str], *,
+                    droppable: Callable[[str], bool] = is_droppable) -> tuple[str, ...]:
+    """Greedily drop steps (last first) while replay still succeeds.
+
+    Candidates are the steps ``droppable`` accepts plus any step that was invalid in replay. Each
+    accepted drop keeps the (possibly earlier-ending) successful replay's actions.
+    """
+    current = replay(env, task, actions)
+    if not current.succeeded:
+        raise ReferenceBuildError(f"{task.task_id}: the candidate actions do not reach success")
+    best = current.actions
+    invalid = set(current.invalid_turns)
+    for index in reversed(range(len(best))):
+        if index >= len(best) or not (droppable(best[index]) or index + 1 in invalid):
+            continue
+        trial = replay(env, task, best[:index] + best[index + 1:])
+        if trial.succeeded:
+            best = trial.actions
+            invalid = set(trial.invalid_turns)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------- build
+
+
+def candidate_actions(env: TextEnv, task: Task) -> tuple[list[str], str]:
+    """The environment's own solution of ``task``: ALFWorld's walkthrough, ScienceWorld's gold path."""
+    if hasattr(env, "walkthrough"):
+        return list(env.walkthrough(task)), "walkthrough"
+    if hasattr(env, "gold_actions"):
+        return list(env.gold_actions(task)), "gold_path"
+    raise ValueError(f"{type(env).__name__} offers no walkthrough or gold path for references")
+
+
+def task_fingerprint(task: Task, *, shorten: bool) -> str:
+    """Everything a reference depends on: the task, its game file's bytes, engine versions, options."""
+    key: dict[str, Any] = {"format": REFERENCE_FORMAT_VERSION, "task_id": task.task_id,
+                           "benchmark": task.benchmark, "shorten": shorten,
+                           "payload": json.loads(json.dumps(task.payload, sort_keys=True, default=str))}
+    game_file = task.payload.get("game_file")
+    if game_file and os.path.isfile(game_file):
+        key["game_sha256"] = hashlib.sha256(Path(game_file).read_bytes()).hexdigest()
+    key["packages"] = {name: _package_version(name) for name in ("alfworld", "textworld", "scienceworld")}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def build_reference(env: TextEnv, task: Task, *, shorten: bool | None = None,
+                    droppable: Callable[[str], bool] = is_droppable) -> ReferenceTrajectory:
+    """Build and validate the reference of one task (see module docstring)."""
+    if shorten is None:
+        shorten = _SHORTEN_BY_DEFAULT.get(task.benchmark, False)
+    candidates, source = candidate_actions(env, task)
+    if not candidates:
+        raise ReferenceBuildError(f"{task.task_id}: the environment gave no {source}")
+    actions = shorten_actions(env, task, candidates, droppable=droppable) if shorten else tuple(candidates)
+    final = replay(env, task, actions)
+    if not final.succeeded:
+        raise ReferenceBuildError(f"{task.task_id}: replay of the {source} ({len(actions)} actions) did not reach "
+                             f"success (score {final.observations[-1].score})")
+    keep_admissible = _STORE_ADMISSIBLE.get(task.benchmark, True)
+    records = tuple(ReferenceObservation.from_observation(o, keep_admissible=keep_admissible)
+                    for o in final.observations)
+    return ReferenceTrajectory(task_id=task.task_id, actions=final.actions,
+                               observations=tuple(r.text for r in records), benchmark=task.benchmark,
+                               task_type=task.task_type, instruction=final.observations[0].instruction,
+                               records=records, source=source, original_length=len(candidates),
+                               fingerprint=task_fingerprint(task, shorten=shorten))
+
+
+def reference_path(cache_dir: str | os.PathLike, task_id: str) -> Path:
+    """The cache file of a task: a readable form of its id plus a short hash (ids contain '/')."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "__", task_id)[:180]
+    digest = hashlib.sha256(task_id.encode()).hexdigest()[:10]
+    return Path(cache_dir) / f"{readable}.{digest}{_FILE_SUFFIX}"
+
+
+def save_reference(cache_dir: str | os.PathLike, reference: ReferenceTrajectory) -> Path:
+    path = reference_path(cache_dir, reference.task_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(reference.to_json(), ensure_ascii=False))
+    tmp.replace(path)
+    return path
+
+
+def load_reference(path: str | os.PathLike) -> ReferenceTrajectory:
+    try:
+        return ReferenceTrajectory.from_json(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"unreadable reference file {str(path)!r}: {exc}") from exc
+
+
+def load_references(cache_dir: str | os.PathLike, *, benchmark: str | None = None) -> dict[str, ReferenceTrajectory]:
+    """Every cached reference under ``cache_dir`` (optionally of one benchmark), keyed by task id."""
+    cache_dir = Path(cache_dir)
+    if not cache_dir.is_dir():
+        raise ValueError(f"reference cache {str(cache_dir)!r} does not exist")
+    references = {}
+    for path in sorted(cache_dir.glob(f"*{_FILE_SUFFIX}")):
+        reference = load_reference(path)
+        if benchmark is None or reference.benchmark == benchmark:
+            references[reference.task_id] = reference
+    return references
+
+
+def _cached(cache_dir: Path, task: Task, shorten: bool) -> ReferenceTrajectory | None:
+    path = reference_path(cache_dir, task.task_id)
+    if not path.is_file():
+        return None
+    reference = load_reference(path)
+    return reference if reference.fingerprint == task_fingerprint(task, shorten=shorten) else None
+
+
+_WORKER_ENV: TextEnv | None = None
+
+
+def _init_worker(env_factory: Callable[[], TextEnv]) -> None:
+    global _WORKER_ENV
+    _WORKER_ENV = env_factory()
+    atexit.register(_WORKER_ENV.close)
+
+
+def _build_and_save(env: TextEnv, task: Task, cache_dir: str, shorten: bool | None) -> tuple[str, str | None]:
+    try:
+        save_reference(cache_dir, build_reference(env, task, shorten=shorten))
+        return task.task_id, None
+    except (ReferenceBuildError, EnvError) as exc:
+        return task.task_id, f"{type(exc).__name__}: {exc}"
+
+
+def _worker_build(task: Task, cache_dir: str, shorten: bool | None) -> tuple[str, str | None]:
+    return _build_and_save(_WORKER_ENV, task, cache_dir, shorten)
+
+
+def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], cache_dir: str | os.PathLike,
+                     *, shorten: bool | None = None, workers: int = 1, rebuild: bool = False,
+                     progress: bool = False) -> dict[str, ReferenceTrajectory]:
+    """Build (or reuse from ``cache_dir``) the validated reference of every task.
+
+    A cached reference is reused when its fingerprint (task, game file bytes, engine versions, options)
+    matches. ``workers > 1`` builds in that many processes, each with its own environment from
+    ``env_factory`` (which must then be picklable, e.g. a class or ``functools.partial``). Raises
+    ``ReferenceBuildError`` naming every task whose reference failed, after saving the others.
+    """
+    tasks = list(tasks)
+    if not tasks:
+        raise ValueError("no tasks to build references for")
+    if len({t.task_id for t in tasks}) != len(tasks):
+        raise ValueError("duplicate task ids in the tasks to build references for")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+
+    def effective_shorten(task: Task) -> bool:
+        return _SHORTEN_BY_DEFAULT.get(task.benchmark, False) if shorten is None else shorten
+
+    todo = [t for t in tasks if rebuild or _cached(cache_dir, t, effective_shorten(t)) is None]
+    errors: list[tuple[str, str]] = []
+    if todo:
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(todo), desc="references", unit="task")
+        workers = min(workers, len(todo))
+        if workers == 1:
+            env = env_factory()
+            try:
+                for task in todo:
+                    errors.append(_build_and_save(env, task, str(cache_dir), shorten))
+                    if bar is not None:
+                        bar.update(1)
+            finally:
+                env.close()
+        else:
+            try:
+                pickle.dumps(env_factory)
+            except Exception as exc:
+                raise ValueError(f"workers > 1 needs a picklable env_factory: {exc}") from exc
+            context = multiprocessing.get_context("spawn")   # fork is unsafe under JAX and JVM threads
+            with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                                        initargs=(env_factory,)) as pool:
+                futures = [pool.submit(_worker_build, task, str(cache_dir), shorten) for task in todo]
+                for future in concurrent.futures.as_completed(futures):
+                    errors.append(future.result())
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+    errors = [(task_id, error) for task_id, error in errors if error is not None]
+    if errors:
+        raise ReferenceBuildError(f"{len(errors)} of {len(tasks)} references failed: "
+                                  + "; ".join(f"{task_id}: {error}" for task_id, error in sorted(errors)))
+    references = {}
+    for task in tasks:
+        reference = _cached(cache_dir, task, effective_shorten(task))
+        if reference is None:
+            raise ReferenceBuildError(f"{task.task_id}: reference missing from {str(cache_dir)!r} after building")
+        references[task.task_id] = reference
+    return references
+
+
+def _package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"

@@ -1,0 +1,127 @@
+"""Thinking-budget decoding (ActFirst-OPD App. B.3, after Qwen3's thinking-budget recipe).
+
+Owns the two-request protocol: a first request with a token budget; if it is cut off before the action
+starts, an early-stop text is inserted (closing ``</think>`` only when reasoning is still open) and a
+second request continues with at most the remaining budget. The result marks inserted tokens as not
+model-generated, so they stay in the context but out of the loss and its normalisation.
+"""
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from typing import Callable
+
+import numpy as np
+
+from jaxopd.sampler.types import Request, Result, SamplingParams
+
+THINK_END = "</think>"
+ACTION_START = "<action>"
+ACTION_END = "</action>"
+
+
+def default_early_stop_text(reasoning_ended: bool) -> str:
+    """Qwen3's early-stop sentence adapted to the ``<action>`` format; omits ``</think>`` once reasoning ended."""
+    sentence = ("\n\nConsidering the limited time, I have to give the action based on the thinking directly "
+                "now.\n")
+    return sentence + ("\n" if reasoning_ended else THINK_END + "\n\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class ThinkingBudget:
+    """Token limits. Training: 384 / 512; evaluation: 1,920 / 2,048; the second request makes <= 128."""
+
+    first_stage_tokens: int = 384
+    total_tokens: int = 512
+    second_stage_max_tokens: int = 128
+
+    def __post_init__(self):
+        if not 0 < self.first_stage_tokens <= self.total_tokens:
+            raise ValueError(f"need 0 < first_stage_tokens ({self.first_stage_tokens}) <= total_tokens "
+                             f"({self.total_tokens})")
+        if self.second_stage_max_tokens <= 0:
+            raise ValueError(f"second_stage_max_tokens must be positive, got {self.second_stage_max_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetedResponse:
+    """A full response: ``token_ids`` = first-stage + inserted + second-stage tokens.
+
+    ``model_generated[i]`` is False for inserted tokens, whose ``logprobs`` entry is 0 and meaningless.
+    ``truncated``: the response ran out of budget without closing its action (treated as an empty action).
+    """
+
+    token_ids: list[int]
+    logprobs: np.ndarray
+    model_generated: np.ndarray
+    text: str
+    truncated: bool
+    stages: tuple[Result, ...]
+    inserted_text: str = ""
+
+
+def _insertion(text: str, early_stop_text: Callable[[bool], str]) -> str:
+    """What to insert after a first stage cut off by its budget (App. B.3)."""
+    if THINK_END not in text:
+        return early_stop_text(False)             # still reasoning: close it
+    if ACTION_START not in text.split(THINK_END)[-1]:
+        return early_stop_text(True)              # reasoning ended, action not started
+    return ""                                     # the action has started: continue as is
+
+
+def submit_budgeted(engine, tokenizer, prompt_ids: list[int], params: SamplingParams,
+                    budget: ThinkingBudget = ThinkingBudget(), *, kind: str = "full", priority: int = 0,
+                    early_stop_text: Callable[[bool], str] = default_early_stop_text) -> Future:
+    """Run budgeted decoding on ``engine`` without blocking; returns ``Future[BudgetedResponse]``.
+
+    ``params.max_new_tokens`` is ignored (the budget sets it); stop conditions and sampling settings apply
+    to both stages.
+    """
+    outer: Future = Future()
+    first_params = dataclasses.replace(params, max_new_tokens=budget.first_stage_tokens,
+                                       min_new_tokens=min(params.min_new_tokens, budget.first_stage_tokens))
+
+    def finish(stages: list[Result], inserted_ids: list[int], inserted_text: str) -> None:
+        first = stages[0]
+        ids = list(first.token_ids) + inserted_ids
+        logprobs = list(first.logprobs) + [0.0] * len(inserted_ids)
+        generated = [True] * len(first.token_ids) + [False] * len(inserted_ids)
+        if len(stages) == 2:
+            ids += stages[1].token_ids
+            logprobs += list(stages[1].logprobs)
+            generated += [True] * len(stages[1].token_ids)
+        text = tokenizer.decode(ids)
+        last = stages[-1]
+        ran_out = last.finish_reason == "length" or (len(stages) == 1 and inserted_ids)
+        truncated = bool(ran_out) and ACTION_END not in text.split(THINK_END)[-1]
+        outer.set_result(BudgetedResponse(ids, np.asarray(logprobs, np.float32), np.asarray(generated, bool),
+                                          text, truncated, tuple(stages), inserted_text))
+
+    def on_second(first: Result, inserted_ids: list[int], inserted_text: str, fut: Future) -> None:
+        try:
+            finish([first, fut.result()], inserted_ids, inserted_text)
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the caller's future
+            outer.set_exception(exc)
+
+    def on_first(fut: Future) -> None:
+        try:
+            first = fut.result()
+            if first.finish_reason != "length":
+                return finish([first], [], "")
+            inserted_text = _insertion(tokenizer.decode(first.token_ids), early_stop_text)
+            inserted_ids = tokenizer.encode(inserted_text) if inserted_text else []
+            remaining = budget.total_tokens - len(first.token_ids) - len(inserted_ids)
+            second_max = min(budget.second_stage_max_tokens, remaining)
+            if second_max <= 0:
+                return finish([first], inserted_ids, inserted_text)
+            second = Request(list(prompt_ids) + list(first.token_ids) + inserted_ids,
+                             dataclasses.replace(params, max_new_tokens=second_max,
+                                                 min_new_tokens=min(params.min_new_tokens, second_max)),
+                             kind=kind, priority=priority, request_id=first.request_id + "/stage2")
+            engine.submit(second).add_done_callback(
+                lambda f: on_second(first, inserted_ids, inserted_text, f))
+        except BaseException as exc:  # noqa: BLE001
+            outer.set_exception(exc)
+
+    engine.submit(Request(list(prompt_ids), first_params, kind=kind, priority=priority)).add_done_callback(on_first)
+    return outer
