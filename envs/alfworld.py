@@ -46,6 +46,13 @@ _EXCLUDED_COMMANDS = frozenset({"help"})
 # reset (about 1 s per pass for a kitchen). ``_install_translation_cache`` replaces it, process-wide, with a
 # serialised and memoised version, so resetting a loaded game translates nothing.
 _TRANSLATION_LOCK = threading.Lock()
+# TextWorld's PDDL engine is not thread-safe either: the PDDL-logic and text-grammar parsers are
+# module-level tatsu parser objects with internal state, used by load and by every step (each admissible
+# command and feedback is derived through the grammar), and concurrent loading of libdownward copies
+# crashed the process here. Every engine call therefore holds this lock. It costs little: the engine's work
+# is pure Python (tatsu parsing, deepcopy), so threads could not overlap it under the GIL anyway; run
+# ALFWorld engines in separate processes for parallel speed.
+_ENGINE_LOCK = threading.RLock()
 TRANSLATION_CACHE_SIZE = 32          # (problem, pass) entries; a kitchen game holds about 3.5 MB
 _translations: "collections.OrderedDict[tuple[str, bool], Any]" = collections.OrderedDict()
 
@@ -85,9 +92,8 @@ class NoGamesError(ValueError):
 class AlfredEngine:
     """One TextWorld PDDL game session with ALFWorld's demangled object names ("cabinet 3").
 
-    Not thread-safe (one thread drives one engine); engines in different threads run concurrently
-    except for PDDL translation, which is serialised and memoised process-wide. Engine failures surface
-    as ``EnvError``.
+    One thread drives one engine. Engines in different threads are safe but take turns (see
+    ``_ENGINE_LOCK``); PDDL translation is memoised process-wide. Engine failures surface as ``EnvError``.
     """
 
     def __init__(self, *, expert_plan: bool = False) -> None:
@@ -100,7 +106,8 @@ class AlfredEngine:
         self._infos = textworld.EnvInfos(won=True, admissible_commands=True, policy_commands=expert_plan,
                                          extras=["gamefile"])
         try:
-            self._pddl_env = PddlEnv(self._infos)
+            with _ENGINE_LOCK:
+                self._pddl_env = PddlEnv(self._infos)
         except Exception as exc:
             raise EnvError(f"cannot start the TextWorld PDDL engine: {exc!r}") from exc
         self._env = AlfredInfos(AlfredDemangler(self._pddl_env, shuffle=False))
@@ -121,14 +128,16 @@ class AlfredEngine:
         self._check_open()
         source = os.fspath(game) if isinstance(game, (str, os.PathLike)) else dict(game)
         try:
-            self._env.load(source)
+            with _ENGINE_LOCK:
+                self._env.load(source)
         except Exception as exc:
             raise EnvError(f"cannot load ALFWorld game {_describe(game)}: {exc!r}") from exc
 
     def reset(self):
         self._check_open()
         try:
-            return self._env.reset()
+            with _ENGINE_LOCK:
+                return self._env.reset()
         except Exception as exc:
             raise EnvError(f"ALFWorld reset failed: {exc!r}") from exc
 
@@ -136,7 +145,8 @@ class AlfredEngine:
         """Returns (game_state, score, done) as TextWorld does."""
         self._check_open()
         try:
-            return self._env.step(command)
+            with _ENGINE_LOCK:
+                return self._env.step(command)
         except Exception as exc:
             raise EnvError(f"ALFWorld step {command!r} failed: {exc!r}") from exc
 
@@ -148,7 +158,8 @@ class AlfredEngine:
         if lib is not None:
             try:
                 import fast_downward
-                fast_downward.close_lib(lib)   # each engine dlopen'ed its own copy of libdownward.so
+                with _ENGINE_LOCK:
+                    fast_downward.close_lib(lib)   # each engine dlopen'ed its own copy of libdownward.so
             except Exception:  # noqa: BLE001 - best effort on shutdown
                 pass
             self._pddl_env.downward_lib = None

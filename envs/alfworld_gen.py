@@ -16,6 +16,12 @@ defaults to a hand-coded expert) which is replayed on the real TextWorld engine 
 plan lengths but takes 2-30 s per kitchen game, so it serves as a cross-check only. The same seed gives
 byte-identical game files whatever the number of worker processes.
 
+Differences from the release, by necessity: object placements are sampled (ALFRED's come from THOR
+physics); a static receptacle type listed in a scene without a precomputed pose gets one instance at a
+fixed reachable point; look-at-object tasks use desk lamps only (a floor lamp has no receptacle in the
+PDDL state, so ``use floorlamp`` can never be admissible); objects are only placed in static receptacles
+(the domain shipped with alfworld 0.4.2 has no action for movable receptacles).
+
 CLI: ``python -m envs.alfworld_gen --out DIR --num N --seed S``.
 """
 from __future__ import annotations
@@ -26,6 +32,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import multiprocessing
 import os
 import random
@@ -40,6 +47,8 @@ import numpy as np
 
 from envs.alfworld import (ALFWORLD_SPLITS, DATA_SUBDIR, GAME_FILE, INDEX_FILE, TASK_TYPES, TRAJ_FILE,
                            AlfredEngine, EnvError, admissible_actions)
+
+logger = logging.getLogger(__name__)
 
 GENERATOR_VERSION = 1
 DEFAULT_COUNTS = {"train": 600, "valid_seen": 140, "valid_unseen": 134}   # eval sizes as in ALFWorld
@@ -630,16 +639,20 @@ def generate_games(out_dir: str | os.PathLike, *, seed: int = 0, counts: Mapping
 
     walkthroughs: dict[int, list[str]] = {}
     pending = list(range(len(slots)))
-    bar = _progress_bar(len(slots), progress)
+    resampled = 0
+    bar = _ProgressBar(len(slots), progress)
     try:
-        with _solver_pool(workers, len(slots)) as solve_many:
+        with _SolverPool(workers, len(slots)) as solve_many:
             while pending:
                 jobs = [(slot, specs[slot].game_data(None), specs[slot].expert_steps) for slot in pending
                         if len(specs[slot].expert_steps) <= max_walkthrough]
                 failed = [slot for slot in pending if len(specs[slot].expert_steps) > max_walkthrough]
-                for slot, plan, _reason in solve_many(jobs):
+                resampled += len(failed)
+                for slot, plan, reason in solve_many(jobs):
                     if plan is None:
+                        logger.info("resampling %s[%d]: %s", *slots[slot], reason)
                         failed.append(slot)
+                        resampled += 1
                     else:
                         walkthroughs[slot] = plan
                         bar.update(1)
@@ -654,11 +667,11 @@ def generate_games(out_dir: str | os.PathLike, *, seed: int = 0, counts: Mapping
         bar.close()
 
     games = [GeneratedGame(specs[s], tuple(walkthroughs[s])) for s in range(len(slots))]
-    _write_tree(out_dir, games, seed=seed, counts=counts, max_walkthrough=max_walkthrough)
+    _write_tree(out_dir, games, seed=seed, counts=counts, max_walkthrough=max_walkthrough, resampled=resampled)
     return games
 
 
-class _progress_bar:
+class _ProgressBar:
     def __init__(self, total: int, enabled: bool) -> None:
         self._bar = None
         if enabled:
@@ -674,7 +687,7 @@ class _progress_bar:
             self._bar.close()
 
 
-class _solver_pool:
+class _SolverPool:
     """Context manager yielding ``solve_many(jobs) -> iterable of (slot, plan, reason)``."""
 
     def __init__(self, workers: int | None, num_jobs: int) -> None:
@@ -699,7 +712,7 @@ class _solver_pool:
 
 
 def _write_tree(out_dir: Path, games: Sequence[GeneratedGame], *, seed: int, counts: Mapping[str, int],
-                max_walkthrough: int) -> None:
+                max_walkthrough: int, resampled: int) -> None:
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -717,7 +730,8 @@ def _write_tree(out_dir: Path, games: Sequence[GeneratedGame], *, seed: int, cou
                             "walkthrough_steps": len(game.walkthrough), "state_key": spec.state_key})
     index = {"generator_version": GENERATOR_VERSION, "seed": seed, "counts": dict(counts),
              "max_walkthrough": max_walkthrough, "alfworld_version": _package_version("alfworld"),
-             "textworld_version": _package_version("textworld"), "games": index_games}
+             "textworld_version": _package_version("textworld"), "resampled_after_verification": resampled,
+             "games": index_games}
     (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1) + "\n")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -33,7 +33,10 @@ class EnvTimeoutError(EnvError):
 
 @dataclasses.dataclass(frozen=True)
 class SlotTrajectory:
-    """What one slot has played since its last reset: o_1, a_1, o_2, ... (``observations[i+1]`` follows ``actions[i]``)."""
+    """What one slot has played since its last reset: o_1, a_1, o_2, ...
+
+    ``observations[i + 1]`` is the observation that followed ``actions[i]``.
+    """
 
     slot: int
     task: Task | None
@@ -149,7 +152,8 @@ class EnvPool:
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         if not (verify_replay is None or callable(verify_replay) or verify_replay == BENCHMARK_EQUIVALENCE):
-            raise ValueError(f"verify_replay must be a callable, None or {BENCHMARK_EQUIVALENCE!r}, got {verify_replay!r}")
+            raise ValueError(f"verify_replay must be a callable, None or {BENCHMARK_EQUIVALENCE!r}, "
+                             f"got {verify_replay!r}")
         self.env_factory = env_factory
         self.num_slots = num_slots
         self.max_workers = max_workers or num_slots

@@ -177,24 +177,41 @@ def is_droppable(action: str) -> bool:
 
 
 def shorten_actions(env: TextEnv, task: Task, actions: Sequence[str], *,
-                    droppable: Callable[[str], bool] = is_droppable) -> tuple[str, ...]:
-    """Greedily drop steps (last first) while replay still succeeds.
+                    droppable: Callable[[str], bool] = is_droppable, max_trials: int | None = 32) -> Replay:
+    """Drop steps while replay still succeeds; returns the successful replay of the shortest sequence.
 
-    Candidates are the steps ``droppable`` accepts plus any step that was invalid in replay. Each
-    accepted drop keeps the (possibly earlier-ending) successful replay's actions.
+    Candidates are the steps ``droppable`` accepts plus every step that was invalid in replay ("The door
+    is already open"); "focus on" steps are never dropped. First all candidates are dropped at once; if
+    that fails, one at a time, last first, keeping each drop whose replay succeeds, for at most
+    ``max_trials`` replays (each trial replays the whole episode: ScienceWorld has no state snapshots).
+    A successful replay may end earlier than its actions: the tail after success is cut as well.
     """
-    current = replay(env, task, actions)
-    if not current.succeeded:
+    best = replay(env, task, actions)
+    if not best.succeeded:
         raise ReferenceBuildError(f"{task.task_id}: the candidate actions do not reach success")
-    best = current.actions
-    invalid = set(current.invalid_turns)
-    for index in reversed(range(len(best))):
-        if index >= len(best) or not (droppable(best[index]) or index + 1 in invalid):
+
+    def candidates(run: Replay) -> list[int]:
+        invalid = set(run.invalid_turns)
+        return [i for i, action in enumerate(run.actions)
+                if not normalize_action(action).startswith("focus") and (droppable(action) or i + 1 in invalid)]
+
+    drop = candidates(best)
+    if not drop:
+        return best
+    dropped = set(drop)
+    everything = replay(env, task, [a for i, a in enumerate(best.actions) if i not in dropped])
+    trials = 1
+    if everything.succeeded:
+        return everything
+    for index in reversed(drop):
+        if max_trials is not None and trials >= max_trials:
+            break
+        if index >= len(best.actions):
             continue
-        trial = replay(env, task, best[:index] + best[index + 1:])
+        trial = replay(env, task, best.actions[:index] + best.actions[index + 1:])
+        trials += 1
         if trial.succeeded:
-            best = trial.actions
-            invalid = set(trial.invalid_turns)
+            best = trial
     return best
 
 
@@ -210,10 +227,11 @@ def candidate_actions(env: TextEnv, task: Task) -> tuple[list[str], str]:
     raise ValueError(f"{type(env).__name__} offers no walkthrough or gold path for references")
 
 
-def task_fingerprint(task: Task, *, shorten: bool) -> str:
+def task_fingerprint(task: Task, *, shorten: bool, max_trials: int | None = None) -> str:
     """Everything a reference depends on: the task, its game file's bytes, engine versions, options."""
     key: dict[str, Any] = {"format": REFERENCE_FORMAT_VERSION, "task_id": task.task_id,
                            "benchmark": task.benchmark, "shorten": shorten,
+                           "max_trials": max_trials if shorten else None,
                            "payload": json.loads(json.dumps(task.payload, sort_keys=True, default=str))}
     game_file = task.payload.get("game_file")
     if game_file and os.path.isfile(game_file):
@@ -223,18 +241,22 @@ def task_fingerprint(task: Task, *, shorten: bool) -> str:
 
 
 def build_reference(env: TextEnv, task: Task, *, shorten: bool | None = None,
-                    droppable: Callable[[str], bool] = is_droppable) -> ReferenceTrajectory:
-    """Build and validate the reference of one task (see module docstring)."""
+                    droppable: Callable[[str], bool] = is_droppable,
+                    max_trials: int | None = 32) -> ReferenceTrajectory:
+    """Build and validate the reference of one task: its candidate actions (shortened when ``shorten``,
+    by default for ScienceWorld) replayed to success; the replay's observations are the reference's."""
     if shorten is None:
         shorten = _SHORTEN_BY_DEFAULT.get(task.benchmark, False)
     candidates, source = candidate_actions(env, task)
     if not candidates:
         raise ReferenceBuildError(f"{task.task_id}: the environment gave no {source}")
-    actions = shorten_actions(env, task, candidates, droppable=droppable) if shorten else tuple(candidates)
-    final = replay(env, task, actions)
+    if shorten:
+        final = shorten_actions(env, task, candidates, droppable=droppable, max_trials=max_trials)
+    else:
+        final = replay(env, task, candidates)
     if not final.succeeded:
-        raise ReferenceBuildError(f"{task.task_id}: replay of the {source} ({len(actions)} actions) did not reach "
-                             f"success (score {final.observations[-1].score})")
+        raise ReferenceBuildError(f"{task.task_id}: replay of the {source} ({len(candidates)} actions) did "
+                                  f"not reach success (score {final.observations[-1].score})")
     keep_admissible = _STORE_ADMISSIBLE.get(task.benchmark, True)
     records = tuple(ReferenceObservation.from_observation(o, keep_admissible=keep_admissible)
                     for o in final.observations)
@@ -242,7 +264,7 @@ def build_reference(env: TextEnv, task: Task, *, shorten: bool | None = None,
                                observations=tuple(r.text for r in records), benchmark=task.benchmark,
                                task_type=task.task_type, instruction=final.observations[0].instruction,
                                records=records, source=source, original_length=len(candidates),
-                               fingerprint=task_fingerprint(task, shorten=shorten))
+                               fingerprint=task_fingerprint(task, shorten=shorten, max_trials=max_trials))
 
 
 def reference_path(cache_dir: str | os.PathLike, task_id: str) -> Path:
@@ -281,12 +303,13 @@ def load_references(cache_dir: str | os.PathLike, *, benchmark: str | None = Non
     return references
 
 
-def _cached(cache_dir: Path, task: Task, shorten: bool) -> ReferenceTrajectory | None:
+def _cached(cache_dir: Path, task: Task, shorten: bool, max_trials: int | None) -> ReferenceTrajectory | None:
     path = reference_path(cache_dir, task.task_id)
     if not path.is_file():
         return None
     reference = load_reference(path)
-    return reference if reference.fingerprint == task_fingerprint(task, shorten=shorten) else None
+    fingerprint = task_fingerprint(task, shorten=shorten, max_trials=max_trials)
+    return reference if reference.fingerprint == fingerprint else None
 
 
 _WORKER_ENV: TextEnv | None = None
@@ -298,24 +321,27 @@ def _init_worker(env_factory: Callable[[], TextEnv]) -> None:
     atexit.register(_WORKER_ENV.close)
 
 
-def _build_and_save(env: TextEnv, task: Task, cache_dir: str, shorten: bool | None) -> tuple[str, str | None]:
+def _build_and_save(env: TextEnv, task: Task, cache_dir: str, shorten: bool | None,
+                    max_trials: int | None) -> tuple[str, str | None]:
     try:
-        save_reference(cache_dir, build_reference(env, task, shorten=shorten))
+        save_reference(cache_dir, build_reference(env, task, shorten=shorten, max_trials=max_trials))
         return task.task_id, None
     except (ReferenceBuildError, EnvError) as exc:
         return task.task_id, f"{type(exc).__name__}: {exc}"
 
 
-def _worker_build(task: Task, cache_dir: str, shorten: bool | None) -> tuple[str, str | None]:
-    return _build_and_save(_WORKER_ENV, task, cache_dir, shorten)
+def _worker_build(task: Task, cache_dir: str, shorten: bool | None,
+                  max_trials: int | None) -> tuple[str, str | None]:
+    return _build_and_save(_WORKER_ENV, task, cache_dir, shorten, max_trials)
 
 
 def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], cache_dir: str | os.PathLike,
-                     *, shorten: bool | None = None, workers: int = 1, rebuild: bool = False,
-                     progress: bool = False) -> dict[str, ReferenceTrajectory]:
+                     *, shorten: bool | None = None, max_trials: int | None = 32, workers: int = 1,
+                     rebuild: bool = False, progress: bool = False) -> dict[str, ReferenceTrajectory]:
     """Build (or reuse from ``cache_dir``) the validated reference of every task.
 
-    A cached reference is reused when its fingerprint (task, game file bytes, engine versions, options)
+    ``shorten`` (default: ScienceWorld only) and ``max_trials`` are passed to ``build_reference``. A
+    cached reference is reused when its fingerprint (task, game file bytes, engine versions, options)
     matches. ``workers > 1`` builds in that many processes, each with its own environment from
     ``env_factory`` (which must then be picklable, e.g. a class or ``functools.partial``). Raises
     ``ReferenceBuildError`` naming every task whose reference failed, after saving the others.
@@ -333,7 +359,7 @@ def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], 
     def effective_shorten(task: Task) -> bool:
         return _SHORTEN_BY_DEFAULT.get(task.benchmark, False) if shorten is None else shorten
 
-    todo = [t for t in tasks if rebuild or _cached(cache_dir, t, effective_shorten(t)) is None]
+    todo = [t for t in tasks if rebuild or _cached(cache_dir, t, effective_shorten(t), max_trials) is None]
     errors: list[tuple[str, str]] = []
     if todo:
         bar = None
@@ -345,7 +371,7 @@ def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], 
             env = env_factory()
             try:
                 for task in todo:
-                    errors.append(_build_and_save(env, task, str(cache_dir), shorten))
+                    errors.append(_build_and_save(env, task, str(cache_dir), shorten, max_trials))
                     if bar is not None:
                         bar.update(1)
             finally:
@@ -358,7 +384,8 @@ def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], 
             context = multiprocessing.get_context("spawn")   # fork is unsafe under JAX and JVM threads
             with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
                                                         initargs=(env_factory,)) as pool:
-                futures = [pool.submit(_worker_build, task, str(cache_dir), shorten) for task in todo]
+                futures = [pool.submit(_worker_build, task, str(cache_dir), shorten, max_trials)
+                           for task in todo]
                 for future in concurrent.futures.as_completed(futures):
                     errors.append(future.result())
                     if bar is not None:
@@ -371,7 +398,7 @@ def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], 
                                   + "; ".join(f"{task_id}: {error}" for task_id, error in sorted(errors)))
     references = {}
     for task in tasks:
-        reference = _cached(cache_dir, task, effective_shorten(task))
+        reference = _cached(cache_dir, task, effective_shorten(task), max_trials)
         if reference is None:
             raise ReferenceBuildError(f"{task.task_id}: reference missing from {str(cache_dir)!r} after building")
         references[task.task_id] = reference

@@ -210,7 +210,8 @@ def describe_contexts(context_set: ContextSet, contexts: Sequence[TaskContext]) 
 # ------------------------------------------------------------------------------------------- the engine
 def engine_config_for(preset: Preset, contexts: Sequence[TaskContext], policy: str):
     """Engine limits sized so that b_max requests of the longest prompt and response fit the page pool at
-    once: no request is ever preempted, so timings measure scheduling, not recomputation."""
+    once: no request is ever preempted, so timings measure scheduling, not recomputation. Events are
+    recorded so that every timed batch's schedule is checked (``speedup_protocol.check_schedule``)."""
     from jaxopd.sampler import EngineConfig
 
     longest_prompt = max(max(len(c.full_prompt_ids), len(c.fast_prompt_ids)) for c in contexts)
@@ -221,7 +222,7 @@ def engine_config_for(preset: Preset, contexts: Sequence[TaskContext], policy: s
                         num_pages=preset.max_bmax * pages_per_seq + 1, max_seq_len=max_seq_len,
                         prefill_chunk=min(preset.prefill_chunk, max_seq_len),
                         max_prefill_tokens=preset.max_prefill_tokens, max_prefill_rows=preset.max_prefill_rows,
-                        policy=policy, record_events=False)
+                        policy=policy, record_events=True)
 
 
 def build_model(model_name: str, weights: str | None):
@@ -319,6 +320,9 @@ def point_to_dict(point: PointResult, *, policy: str, scans: Sequence[str], pres
             "vanilla_peak_concurrency": max(run.peak_concurrency for run in r.vanilla),
             "actfirst_peak_concurrency": max(run.peak_concurrency for run in r.actfirst),
             "preemptions": sum(rec.num_preemptions for run in r.vanilla + r.actfirst for rec in run.records),
+            "schedule_verified": all(run.schedule is not None for run in r.vanilla + r.actfirst),
+            "actfirst_max_full_in_flight_per_task": max(run.schedule.max_full_in_flight_per_task
+                                                        for run in r.actfirst if run.schedule is not None),
         })
     return {"policy": policy, "scans": list(scans), "full_tokens": point.full_tokens, "T": point.T,
             "b_max": point.b_max, "tasks_per_batch": preset.tasks_per_batch, "num_batches": preset.num_batches,
@@ -405,6 +409,7 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
                         full_token_lengths=preset.full_lengths, measurements=preset.calibration_measurements,
                         base_seed=options.request_seed, progress=lambda: bar.update(1))
                 timing["calibration"] = time.perf_counter() - t
+            engine.events.clear()
             t = time.perf_counter()
             with _progress_bar(total_runs // len(options.policies), f"scan ({policy})", options.progress) as bar:
                 for L in preset.full_lengths:
@@ -413,7 +418,7 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
                         bar.set_postfix_str(f"L={L} T={T} b_max={b_max}")
                         point = run_paired_point(engine, batches, T=T, b_max=b_max, workload=workload,
                                                  repeats=preset.repeats, base_seed=options.request_seed,
-                                                 progress=lambda: bar.update(1))
+                                                 check_events=True, progress=lambda: bar.update(1))
                         ideal = idealized_for_point(point, preset=preset, calibration=calibration,
                                                     calibrated_batches=calibrated_batches)
                         points_out.append(point_to_dict(point, policy=policy, scans=scans, preset=preset,

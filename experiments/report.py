@@ -164,7 +164,7 @@ def plot_bmax(results: Mapping[str, Any], out_dir: Path) -> Path:
     ax.set_xlabel("b_max / N  (concurrency cap per task of the batch)")
     ax.set_ylabel("rollout speedup (Vanilla / ActFirst)")
     T = results["config"]["bmax_scan_T"]
-    ax.set_title(f"Speedup vs b_max — N={n} tasks/batch, T={T} "
+    fig.suptitle(f"Speedup vs b_max — N={n} tasks/batch, T={T} "
                  f"({results['model']['name']}, {results['machine']['backend']})", fontsize=10)
     bvals = sorted({p["b_max"] for p in points_of(results, "bmax")})
     if bvals:

@@ -125,6 +125,7 @@ class BatchRun:
     context_indices: tuple[int, ...]
     records: tuple[RequestRecord, ...]
     wall_time: float               # host perf_counter around the run (sanity check only)
+    schedule: ScheduleCheck | None = None     # set when the run's recorded events were checked
 
     @property
     def started_at(self) -> float:
@@ -143,6 +144,103 @@ class BatchRun:
     def peak_concurrency(self) -> int:
         """Most requests admitted and unfinished at once (a finish frees its slot before a same-time admit)."""
         return peak_concurrency((r.admitted_at, r.finished_at) for r in self.records)
+
+
+class ScheduleViolation(RuntimeError):
+    """Recorded engine events contradict the protocol (wrong gating, overlapping Vanilla turns, cap exceeded)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleCheck:
+    """What ``check_schedule`` found in a batch's events."""
+
+    num_events: int
+    peak_concurrency: int                  # most requests admitted and unfinished at once, in event order
+    max_full_in_flight_per_task: int       # most full responses one task had submitted and unfinished
+
+
+def parse_request_id(request_id: str) -> tuple[str, int, int, str]:
+    """``(tag, task, turn, kind)`` of an id made by ``run_batch``: ``<tag>/task<i>/turn<t>/<kind>``."""
+    try:
+        tag, task, turn, kind = request_id.rsplit("/", 3)
+        if not (task.startswith("task") and turn.startswith("turn") and kind in KINDS):
+            raise ValueError
+        return tag, int(task[4:]), int(turn[4:]), kind
+    except ValueError:
+        raise ValueError(f"{request_id!r} is not a request id of run_batch") from None
+
+
+def check_schedule(events: Sequence[Any], strategy: str, *, tag: str, T: int, num_tasks: int,
+                   b_max: int) -> ScheduleCheck:
+    """Verify a batch's recorded engine events (``EngineEvent(time, event, request_id, kind)``, in the order
+    the engine recorded them) against the protocol; raise ``ScheduleViolation`` naming the first breach.
+
+    Both strategies: every request of the batch is submitted, admitted and finished once; admitted and
+    unfinished requests never exceed ``b_max``. Vanilla: full responses only; a task's turn t+1 is submitted
+    after (in time and in event order) its turn-t full response finished, so a task never has two requests in
+    flight. ActFirst: a turn's fast and full requests are submitted together (one right after the other among
+    the task's submissions), and turn t+1's after turn t's fast action finished.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    mine = [e for e in events if e.request_id.startswith(tag + "/")]
+    life: dict[tuple[int, int, str], dict[str, tuple[float, int]]] = {}
+    running = peak = 0
+    in_flight: dict[int, int] = {}
+    full_in_flight: dict[int, int] = {}
+    most_full = 0
+    for position, e in enumerate(mine):
+        _, task, turn, kind = parse_request_id(e.request_id)
+        if e.event not in ("submit", "admit", "finish"):
+            if e.event in ("preempt", "abort"):
+                raise ScheduleViolation(f"{e.request_id}: unexpected {e.event} event")
+            continue
+        record = life.setdefault((task, turn, kind), {})
+        if e.event in record:
+            raise ScheduleViolation(f"{e.request_id}: two {e.event} events")
+        record[e.event] = (e.time, position)
+        if e.event == "admit":
+            running += 1
+            if running > b_max:
+                raise ScheduleViolation(f"{running} requests admitted at once under b_max={b_max} "
+                                        f"(at {e.request_id})")
+            peak = max(peak, running)
+        elif e.event == "finish":
+            running -= 1
+        step = {"submit": 1, "finish": -1}.get(e.event, 0)
+        in_flight[task] = in_flight.get(task, 0) + step
+        if strategy == "vanilla" and in_flight[task] > 1:
+            raise ScheduleViolation(f"Vanilla task {task} has {in_flight[task]} requests in flight at {e.request_id}")
+        if kind == "full":
+            full_in_flight[task] = full_in_flight.get(task, 0) + step
+            most_full = max(most_full, full_in_flight[task])
+    kinds = ("full",) if strategy == "vanilla" else KINDS
+    expected = {(i, t, k) for i in range(num_tasks) for t in range(T) for k in kinds}
+    if set(life) != expected:
+        missing, extra = sorted(expected - set(life)), sorted(set(life) - expected)
+        raise ScheduleViolation(f"requests missing {missing[:3]} / unexpected {extra[:3]} in the events of {tag}")
+    for key, record in life.items():
+        if set(record) != {"submit", "admit", "finish"}:
+            raise ScheduleViolation(f"{tag} {key}: events {sorted(record)} instead of submit, admit, finish")
+    gate_kind = "full" if strategy == "vanilla" else "fast"
+    submit_order: dict[int, list[tuple[int, str]]] = {i: [] for i in range(num_tasks)}
+    for key, record in sorted(life.items(), key=lambda kv: kv[1]["submit"][1]):
+        submit_order[key[0]].append((key[1], key[2]))
+    for i in range(num_tasks):
+        for t in range(T):
+            if strategy == "actfirst":
+                order = submit_order[i]
+                if order.index((t, "full")) != order.index((t, "fast")) + 1:
+                    raise ScheduleViolation(f"{tag} task {i} turn {t}: fast and full not submitted together")
+            if t == 0:
+                continue
+            gate_time, gate_pos = life[(i, t - 1, gate_kind)]["finish"]
+            for k in kinds:
+                submit_time, submit_pos = life[(i, t, k)]["submit"]
+                if submit_time < gate_time or submit_pos < gate_pos:
+                    raise ScheduleViolation(f"{tag} task {i} turn {t} {k} submitted before turn {t - 1}'s "
+                                            f"{gate_kind} request finished")
+    return ScheduleCheck(num_events=len(mine), peak_concurrency=peak, max_full_in_flight_per_task=most_full)
 
 
 def peak_concurrency(intervals: Iterable[tuple[float, float]]) -> int:
@@ -246,12 +344,14 @@ def set_concurrency_cap(engine: Any, b_max: int, *, timeout: float = 30.0) -> No
 
 
 def run_batch(engine: Any, strategy: str, contexts: Sequence[TaskContext], T: int, workload: Workload, *,
-              b_max: int, base_seed: int = 0, tag: str = "batch",
+              b_max: int, base_seed: int = 0, tag: str = "batch", check_events: bool = False,
               timeout: float = DEFAULT_BATCH_TIMEOUT_S) -> BatchRun:
     """Run one batch of ``len(contexts)`` tasks for ``T`` virtual turns under ``strategy`` with cap ``b_max``.
 
     The engine must be idle. Raises ``RuntimeError`` if any request fails or does not produce exactly its
     fixed number of tokens, ``TimeoutError`` if the batch does not finish within ``timeout`` seconds.
+    ``check_events``: verify the engine's recorded events of this batch with ``check_schedule`` (the engine
+    must record events), raising ``ScheduleViolation`` on a breach.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -260,6 +360,7 @@ def run_batch(engine: Any, strategy: str, contexts: Sequence[TaskContext], T: in
     if not contexts:
         raise ValueError("a batch needs at least one task context")
     set_concurrency_cap(engine, b_max)
+    first_event = len(engine.events) if check_events else 0
     driver = _BatchDriver(engine, strategy, contexts, T, workload, base_seed, tag)
     wall_start = time.perf_counter()
     driver.start()
@@ -275,8 +376,14 @@ def run_batch(engine: Any, strategy: str, contexts: Sequence[TaskContext], T: in
     if len(driver.records) != expected:
         raise RuntimeError(f"{tag}: expected {expected} finished requests, got {len(driver.records)}")
     records = tuple(sorted(driver.records, key=lambda r: (r.submitted_at, r.task, r.turn, r.kind)))
+    schedule = None
+    if check_events:
+        events = engine.events[first_event:]
+        if not events:
+            raise ValueError(f"{tag}: check_events needs an engine that records events (record_events=True)")
+        schedule = check_schedule(events, strategy, tag=tag, T=T, num_tasks=len(contexts), b_max=b_max)
     return BatchRun(strategy=strategy, T=T, b_max=b_max, context_indices=tuple(c.index for c in contexts),
-                    records=records, wall_time=wall_time)
+                    records=records, wall_time=wall_time, schedule=schedule)
 
 
 # ------------------------------------------------------------------------------------------ calibration
@@ -400,7 +507,7 @@ def strategy_order(repeat_index: int) -> tuple[str, str]:
 
 
 def run_paired_point(engine: Any, batches: Sequence[Sequence[TaskContext]], *, T: int, b_max: int,
-                     workload: Workload, repeats: int, base_seed: int = 0,
+                     workload: Workload, repeats: int, base_seed: int = 0, check_events: bool = False,
                      timeout: float = DEFAULT_BATCH_TIMEOUT_S,
                      progress: Callable[[], None] | None = None) -> PointResult:
     """Paired timing of one scan point: for each repeat, each batch runs under both strategies back to back
@@ -417,7 +524,10 @@ def run_paired_point(engine: Any, batches: Sequence[Sequence[TaskContext]], *, T
             for strategy in order:
                 tag = f"L{workload.full_tokens}/T{T}/b{b_max}/rep{k}/batch{b}/{strategy}"
                 runs[strategy].append(run_batch(engine, strategy, batch, T, workload, b_max=b_max,
-                                                base_seed=base_seed, tag=tag, timeout=timeout))
+                                                base_seed=base_seed, tag=tag, check_events=check_events,
+                                                timeout=timeout))
+                if check_events:
+                    engine.events.clear()     # the engine is idle between batches; keeps memory flat
                 if progress is not None:
                     progress()
         done.append(PairedRepeat(index=k, order=order, vanilla=tuple(runs["vanilla"]),

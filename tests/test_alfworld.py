@@ -311,7 +311,7 @@ def test_cache_location_and_reuse(small_games_root, tmp_path, monkeypatch):
 
 
 def test_engines_in_threads_match_sequential_play(small_games_root):
-    """PDDL translation mutates process globals; the engine serialises it so threads stay independent."""
+    """TextWorld parsers and PDDL translation are process-global state; engines in threads stay independent."""
     with alf.AlfWorldEnv(small_games_root) as probe:
         tasks = [t for t in probe.tasks("train") if t.task_type in ("pick_two_obj_and_place",
                                                                      "pick_cool_then_place_in_recep")]

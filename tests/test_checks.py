@@ -47,7 +47,8 @@ def test_alfworld_action_validity_rule():
     assert not is_alfworld_action_valid(None, ALF_ADMISSIBLE)
     assert not is_alfworld_action_valid("", ALF_ADMISSIBLE)
     result = check_alfworld_transition("go to cabinet 2", ALF_ADMISSIBLE, alf(), alf())
-    assert not result.ok and result.reasons == ("action 'go to cabinet 2' is not in the admissible set (help excluded)",)
+    assert not result.ok
+    assert result.reasons == ("action 'go to cabinet 2' is not in the admissible set (help excluded)",)
 
 
 def test_alfworld_observation_equality_after_normalisation_only():

@@ -327,3 +327,47 @@ def test_close_fails_queued_calls_and_closes_envs(faults):
         pool.submit_step(0, "act 0")
     time.sleep(0.05)
     assert all(e.closed for e in faults.instances)
+
+
+class ReorderingEnv(FakeEnv):
+    """Like ScienceWorld after a reset: same objects, listed in another order by each new instance."""
+
+    benchmark = "scienceworld"
+
+    def _observe(self) -> Observation:
+        base = super()._observe()
+        items = [f"a cup (containing {self.salt or 'water'})", "a drawer", f"turn {len(self._actions)}"]
+        if self.salt == "reordered":
+            items = ["a drawer", "a cup (containing water)", f"turn {len(self._actions)}"]
+        history = f"{self._task.task_id} after {'|'.join(self._actions)}"      # no salt: same state
+        return Observation(text="on the table is: " + ", ".join(items) + ".\nyou also see:\n" + history,
+                           instruction=base.instruction, turn=base.turn)
+
+
+def test_default_replay_check_uses_the_benchmark_normal_form(faults):
+    def factory(salts):
+        def build():
+            env = ReorderingEnv(faults, 0.0, salts.pop(0))
+            faults.instances.append(env)
+            return env
+        return build
+
+    faults.planned[(fake_task(0).task_id, 2)] = "raise"
+    with EnvPool(factory(["", "reordered"]), 1) as pool:            # enumeration reordered: same state
+        pool.reset(0, fake_task(0))
+        texts = [pool.step(0, a).text for a in ACTIONS[:3]]
+        assert pool.trajectory(0).recoveries == 1 and texts[1].startswith("on the table is: a drawer, a cup")
+
+    faults.planned[(fake_task(0).task_id, 2)] = "raise"
+    exact = EnvPool(factory(["", "reordered", "reordered"]), 1,
+                    verify_replay=lambda recorded, replayed: recorded.text == replayed.text)
+    with exact, pytest.raises(EnvError, match="diverged at turn 0"):
+        exact.reset(0, fake_task(0))
+        for action in ACTIONS[:3]:
+            exact.step(0, action)
+
+    faults.planned[(fake_task(0).task_id, 2)] = "raise"
+    with EnvPool(factory(["", "milk", "milk"]), 1) as changed, pytest.raises(EnvError, match="diverged"):
+        changed.reset(0, fake_task(0))                                # another object: not the same state
+        for action in ACTIONS[:3]:
+            changed.step(0, action)

@@ -158,9 +158,8 @@ def abstract_train_state(abstract_params: nnx.State, optimizer: optax.GradientTr
 def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, shardings: TrainState) -> TrainState:
     """A fresh train state (step 0, optimizer initialised) laid out by ``shardings``."""
     params = jax.device_put(params, shardings.params)
-    init = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)),
-                   in_shardings=(shardings.params,), out_shardings=shardings)
-    return init(params)
+    opt_state = jax.device_put(optimizer.init(params), shardings.opt_state)
+    return TrainState(jax.device_put(jnp.zeros((), jnp.int32), shardings.step), params, opt_state)
 
 
 def batch_shardings(mesh: Mesh, data_axis: str = DATA_AXIS) -> TrainBatch:

@@ -1,0 +1,246 @@
+"""Reference trajectories: built from walkthroughs / gold paths, validated by replay, cached as JSON."""
+import dataclasses
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from envs import references as refs
+from envs.base import Observation, Task, TextEnv
+from envs.checks import check_transition
+
+SMALL_COUNTS = {"train": 6, "valid_seen": 0, "valid_unseen": 0}   # same tree as tests/test_alfworld.py
+
+
+# ------------------------------------------------------------------------------------- a toy environment
+
+
+class ToyEnv(TextEnv):
+    """Success needs "focus on x", "take x" and "put x" in this order; "look around" and "wait" are
+    no-ops; "open door" is invalid (already open). Counts resets to show what was replayed."""
+
+    benchmark = "toy"
+    needed = ("focus on x", "take x", "put x")
+
+    def __init__(self, solution):
+        self.solution, self.resets = list(solution), 0
+
+    def tasks(self, split):
+        return [Task("toy", split, "toy/0", "toy")]
+
+    def walkthrough(self, task):
+        return list(self.solution)
+
+    def reset(self, task):
+        self.resets, self.progress, self.turn = self.resets + 1, 0, 0
+        return self._obs("start", True)
+
+    def step(self, action):
+        self.turn += 1
+        if self.progress < 3 and action == self.needed[self.progress]:
+            self.progress += 1
+        return self._obs(f"after {action}", action != "open door")
+
+    def _obs(self, text, valid):
+        won = self.progress == 3
+        return Observation(text=text, instruction="do it", admissible_actions=("look around", "take x"),
+                           done=won, won=won, score=100.0 if won else 0.0, turn=self.turn,
+                           last_action_valid=valid)
+
+
+def test_shortening_drops_noops_and_invalid_steps_but_never_focus():
+    solution = ["look around", "open door", "focus on x", "wait", "take x", "look around", "put x", "wait"]
+    env = ToyEnv(solution)
+    task = env.tasks("train")[0]
+    best = refs.shorten_actions(env, task, solution)
+    assert best.succeeded and best.actions == ("focus on x", "take x", "put x")
+    assert env.resets == 2                      # full replay, then every candidate dropped at once
+    assert [o.text for o in best.observations] == ["start", "after focus on x", "after take x", "after put x"]
+
+
+def test_shortening_is_greedy_when_dropping_all_fails():
+    # "look around" is needed here, so dropping everything fails and candidates are tried last first
+    class NeedsLook(ToyEnv):
+        needed = ("look around", "take x", "put x")
+
+    solution = ["open door", "look around", "wait", "take x", "put x"]
+    env = NeedsLook(solution)
+    task = env.tasks("train")[0]
+    assert refs.shorten_actions(env, task, solution).actions == ("look around", "take x", "put x")
+    assert env.resets == 1 + 1 + 3              # full, all-at-once, then "wait", "look around", "open door"
+    limited = NeedsLook(solution)
+    assert refs.shorten_actions(limited, task, solution, max_trials=2).actions == (
+        "open door", "look around", "take x", "put x")     # the budget allowed one greedy trial
+    with pytest.raises(refs.ReferenceBuildError, match="do not reach success"):
+        refs.shorten_actions(NeedsLook([]), task, ["take x"])
+
+
+def test_reference_trajectory_api_and_json():
+    records = tuple(refs.ReferenceObservation(text=t, done=d, won=d, score=float(d), admissible_actions=("a",))
+                    for t, d in (("o1", False), ("o2", False), ("o3", True)))
+    ref = refs.ReferenceTrajectory("toy/0", ("a1", "a2"), ("o1", "o2", "o3"), benchmark="toy", records=records)
+    assert len(ref) == 2
+    assert [ref.next_observation(t) for t in (1, 2, 3)] == ["o2", "o3", None]
+    assert ref.next_record(2).done and ref.action(1) == "a1" and ref.action(3) is None
+    with pytest.raises(ValueError, match="turn must be"):
+        ref.next_observation(0)
+    assert refs.ReferenceTrajectory.from_json(json.loads(json.dumps(ref.to_json()))) == ref
+    with pytest.raises(ValueError, match="need 3 observations"):
+        refs.ReferenceTrajectory("toy/0", ("a1", "a2"), ("o1", "o2"))
+    with pytest.raises(ValueError, match="format"):
+        refs.ReferenceTrajectory.from_json({**ref.to_json(), "format": 0})
+    with pytest.raises(ValueError, match="does not exist"):
+        refs.load_references("/nonexistent/references")
+
+
+def test_build_references_argument_errors(tmp_path):
+    env_factory = functools.partial(ToyEnv, ["focus on x", "take x", "put x"])
+    task = Task("toy", "train", "toy/0", "toy")
+    with pytest.raises(ValueError, match="no tasks"):
+        refs.build_references(env_factory, [], tmp_path)
+    with pytest.raises(ValueError, match="duplicate task ids"):
+        refs.build_references(env_factory, [task, task], tmp_path)
+    with pytest.raises(ValueError, match="picklable"):
+        refs.build_references(lambda: ToyEnv([]), [task, Task("toy", "train", "toy/1", "toy")], tmp_path,
+                              workers=2)
+    built = refs.build_references(env_factory, [task], tmp_path)
+    assert built["toy/0"].actions == ("focus on x", "take x", "put x") and built["toy/0"].source == "walkthrough"
+
+
+# --------------------------------------------------------------------------------------------- ALFWorld
+
+
+@pytest.fixture(scope="session")
+def small_games_root(tmp_path_factory):
+    pytest.importorskip("alfworld")
+    from envs import alfworld_gen
+
+    return alfworld_gen.ensure_games(tmp_path_factory.getbasetemp() / "alfworld_games", seed=0,
+                                     counts=SMALL_COUNTS, workers=1, progress=False)
+
+
+@pytest.fixture(scope="module")
+def alfworld_references(small_games_root, tmp_path_factory):
+    from envs.alfworld import AlfWorldEnv
+
+    cache = tmp_path_factory.mktemp("alfworld_refs")
+    with AlfWorldEnv(small_games_root) as env:
+        tasks = env.tasks("train")
+    built = refs.build_references(functools.partial(AlfWorldEnv, small_games_root), tasks, cache)
+    return tasks, built, cache
+
+
+def test_alfworld_references_cover_the_six_types_and_replay(alfworld_references, small_games_root):
+    from envs.alfworld import TASK_TYPES, AlfWorldEnv
+
+    tasks, built, cache = alfworld_references
+    assert set(built) == {t.task_id for t in tasks}
+    assert sorted(r.task_type for r in built.values()) == sorted(TASK_TYPES)
+    assert refs.load_references(cache) == built
+    assert refs.load_references(cache, benchmark="scienceworld") == {}
+    with AlfWorldEnv(small_games_root) as env:
+        for task in tasks:
+            ref = built[task.task_id]
+            walkthrough = env.walkthrough(task)
+            assert ref.source == "walkthrough" and ref.actions == tuple(walkthrough)
+            assert ref.original_length == len(walkthrough) and ref.benchmark == "alfworld"
+            obs = env.reset(task)
+            assert (ref.observations[0], ref.instruction) == (obs.text, obs.instruction)
+            assert ref.next_observation(1).startswith(f"You arrive at {walkthrough[0][len('go to '):]}.")
+            assert ref.next_observation(len(ref) + 1) is None
+            assert [r.won for r in ref.records] == [False] * len(ref) + [True]
+            assert all(r.admissible_actions and "help" not in r.admissible_actions for r in ref.records)
+            for t, action in enumerate(ref.actions, start=1):     # App. B.5 checks pass along the reference
+                previous = obs
+                obs = env.step(action)
+                check = check_transition("alfworld", action, previous.admissible_actions, obs, ref.next_record(t))
+                assert check.ok, (task.task_id, t, check.reasons)
+            assert obs.won
+
+
+def test_alfworld_reference_cache_is_reused_and_invalidated(alfworld_references, small_games_root, tmp_path):
+    from envs.alfworld import AlfWorldEnv
+
+    tasks, built, cache = alfworld_references
+    factory_calls = []
+
+    def counting_factory():
+        factory_calls.append(1)
+        return AlfWorldEnv(small_games_root)
+
+    assert refs.build_references(counting_factory, tasks, cache) == built
+    assert factory_calls == []                  # everything came from the cache, nothing replayed
+
+    # a copy of one game whose file bytes change (same content, other JSON layout) is rebuilt
+    copy_root = tmp_path / "games"
+    shutil.copytree(small_games_root, copy_root)
+    with AlfWorldEnv(copy_root) as env:
+        task = env.tasks("train")[0]
+    copied_cache = tmp_path / "refs"
+    shutil.copytree(cache, copied_cache)
+    game_file = Path(task.payload["game_file"])
+    stale = refs.task_fingerprint(task, shorten=False)
+    game_file.write_text(json.dumps(json.loads(game_file.read_text()), indent=1))
+    assert refs.task_fingerprint(task, shorten=False) != stale
+    rebuilt = refs.build_references(functools.partial(AlfWorldEnv, copy_root), [task], copied_cache)
+    assert rebuilt[task.task_id].actions == built[task.task_id].actions
+
+    # a game whose stored walkthrough does not win fails with a message naming it
+    data = json.loads(game_file.read_text())
+    game_file.write_text(json.dumps({**data, "walkthrough": ["look", "inventory"]}))
+    with pytest.raises(refs.ReferenceBuildError, match="1 of 1 references failed: .*did not reach success"):
+        refs.build_references(functools.partial(AlfWorldEnv, copy_root), [task], copied_cache)
+
+
+# ------------------------------------------------------------------------------------------ ScienceWorld
+
+
+@pytest.fixture(scope="module")
+def scienceworld_references(tmp_path_factory):
+    if shutil.which("java") is None:
+        pytest.skip("ScienceWorld needs java")
+    pytest.importorskip("scienceworld")
+    from envs.scienceworld import ScienceWorldEnv, scienceworld_task
+
+    tasks = [scienceworld_task("boil", 0), scienceworld_task("find-living-thing", 0)]
+    cache = tmp_path_factory.mktemp("scienceworld_refs")
+    built = refs.build_references(ScienceWorldEnv, tasks, cache, max_trials=6)
+    return tasks, built, cache
+
+
+def test_scienceworld_references_are_shortened_and_replay_to_success(scienceworld_references):
+    from envs.scienceworld import ScienceWorldEnv
+
+    tasks, built, cache = scienceworld_references
+    assert refs.load_references(cache, benchmark="scienceworld") == built
+    boil, living = built["scienceworld/train/boil-0"], built["scienceworld/train/find-living-thing-0"]
+    assert boil.source == living.source == "gold_path"
+    assert boil.original_length == 39 and len(boil) < 39           # gold path 39 steps (notes); cut after success
+    assert "boil" in boil.instruction
+    # find-living-thing-0: the easy preset opens doors, so the gold path's "open door ..." steps are invalid
+    # no-ops, and "look around" is not needed: what remains moves, focuses, picks up and delivers.
+    assert living.original_length == 10
+    assert not any(a.startswith(("open door", "look around")) for a in living.actions)
+    assert [a for a in living.actions if a.startswith("focus on")] == ["focus on butterfly"]
+    with ScienceWorldEnv() as env:
+        for task in tasks:
+            ref = built[task.task_id]
+            assert ref.records[-1].score == 100.0 and ref.records[-1].won
+            assert not any(r.admissible_actions for r in ref.records)      # not stored for ScienceWorld
+            assert all(r.action_templates for r in ref.records)
+            obs = env.reset(task)
+            for t, action in enumerate(ref.actions, start=1):
+                previous, obs = obs, env.step(action)
+                check = check_transition("scienceworld", action, previous.admissible_actions, obs, ref.next_record(t))
+                # the gold path may name objects by aliases missing from the valid-action list; everything
+                # else App. B.5 compares (observation, templates, termination) must agree with the cache
+                assert [r for r in check.reasons if "admissible-action list" not in r] == [], (task.task_id, t)
+            assert obs.won and obs.score == 100.0
+
+
+def test_reference_records_are_observation_like():
+    record = refs.ReferenceObservation(text="x", done=True, action_templates=("look around",))
+    assert dataclasses.asdict(record)["action_templates"] == ("look around",)
+    assert check_transition("scienceworld", "look around", ["look around"], record, record).ok
