@@ -229,12 +229,15 @@ def candidate_actions(env: TextEnv, task: Task) -> tuple[list[str], str]:
 
 def task_fingerprint(task: Task, *, shorten: bool, max_trials: int | None = None) -> str:
     """Everything a reference depends on: the task, its game file's bytes, engine versions, options."""
+    payload = dict(task.payload)
+    game_file = payload.pop("game_file", None)      # the game's bytes count, not where the tree lives
     key: dict[str, Any] = {"format": REFERENCE_FORMAT_VERSION, "task_id": task.task_id,
                            "benchmark": task.benchmark, "shorten": shorten,
                            "max_trials": max_trials if shorten else None,
-                           "payload": json.loads(json.dumps(task.payload, sort_keys=True, default=str))}
-    game_file = task.payload.get("game_file")
-    if game_file and os.path.isfile(game_file):
+                           "payload": json.loads(json.dumps(payload, sort_keys=True, default=str))}
+    if game_file:
+        if not os.path.isfile(game_file):
+            raise ValueError(f"task {task.task_id}: game file {game_file!r} does not exist")
         key["game_sha256"] = hashlib.sha256(Path(game_file).read_bytes()).hexdigest()
     key["packages"] = {name: _package_version(name) for name in ("alfworld", "textworld", "scienceworld")}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()

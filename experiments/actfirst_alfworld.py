@@ -105,8 +105,10 @@ PRESETS: dict[str, Preset] = {
         name="gpu-quick", model="qwen3-1.7b", tasks_per_batch=16, num_contexts=16, num_batches=1, repeats=1,
         fast_tokens=16, full_lengths=(128, 512), bmax_scan=(16, 32, 64, 128, 256), bmax_scan_T=8,
         horizon_scan=(1, 2, 4, 8), horizon_scan_bmax=256, calibration_contexts=16, calibration_measurements=1,
+        prefill_chunk=1024, max_prefill_tokens=8192, max_prefill_rows=4, page_size=64,
         note="Qwen3-1.7B architecture, one batch, one repeat, horizons up to 8 (a Vanilla batch at T = 30 and "
-             "512 tokens alone is 15,360 sequential decode steps)"),
+             "512 tokens alone is 15,360 sequential decode steps); 64-token pages and at most 4 prompts per "
+             "prefill step keep the warm-up's shape buckets few"),
     "cpu": Preset(
         name="cpu", model="tiny", tasks_per_batch=2, num_contexts=2, num_batches=1, repeats=1,
         fast_tokens=16, full_lengths=(128, 512), bmax_scan=(2, 3, 4, 6), bmax_scan_T=2,
@@ -162,8 +164,9 @@ def departures_from_paper(preset: Preset, *, model_name: str, paper_architecture
 def load_contexts(n: int, *, source: str = "auto", contexts_file: str | None = None) -> ContextSet:
     """``n`` initial contexts: from ``contexts_file``, the committed snapshot or the ALFWorld engine.
 
-    ``auto``: the official games when ``$ALFWORLD_DATA`` holds them, else the committed snapshot (sampled
-    with seed 42 from the generated training games), else the generated games themselves.
+    ``auto``: the official games when ``$ALFWORLD_DATA`` holds them; else the committed snapshot (sampled
+    with seed 42 from the generated training games) when it holds ``n`` contexts; else the generated games
+    themselves (``envs.alfworld_gen`` generates them on first use, which takes long on a small machine).
     """
     if source not in CONTEXT_SOURCES:
         raise ValueError(f"contexts source must be one of {CONTEXT_SOURCES}, got {source!r}")
@@ -173,7 +176,7 @@ def load_contexts(n: int, *, source: str = "auto", contexts_file: str | None = N
         official = os.environ.get("ALFWORLD_DATA")
         if official and (Path(official).expanduser() / "json_2.1.1").is_dir():
             source = "alfworld"
-        elif SNAPSHOT_PATH.is_file():
+        elif SNAPSHOT_PATH.is_file() and len(load_context_set(SNAPSHOT_PATH)) >= n:
             source = "snapshot"
         else:
             source = "alfworld"
@@ -347,6 +350,7 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
     """
     preset = options.preset
     preset.validate()
+    log = print if options.progress else (lambda *a, **k: None)
     for policy in options.policies:
         if policy not in ("fifo", "fast-first"):
             raise ValueError(f"policy must be fifo or fast-first, got {policy!r}")
@@ -360,6 +364,8 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
     else:
         context_set = context_set.head(preset.num_contexts)
     timing["contexts"] = time.perf_counter() - t
+    log(f"contexts: {len(context_set)} ({context_set.source.get('games', '?')} ALFWorld games"
+        f"{', snapshot' if 'snapshot' in context_set.source else ''}) in {timing['contexts']:.1f} s", flush=True)
 
     t = time.perf_counter()
     if tokenizer is None:
@@ -373,6 +379,9 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
     t = time.perf_counter()
     model, model_info = model_and_info if model_and_info is not None else build_model(options.model, options.weights)
     timing["model_init"] = time.perf_counter() - t
+    log(f"model: {model_info['name']}, {model_info['num_params'] / 1e6:.1f}M parameters, {model_info['dtype']}, "
+        f"{'random weights' if model_info['random_weights'] else 'weights ' + str(model_info['weights'])} "
+        f"({timing['model_init']:.1f} s)", flush=True)
 
     if engine_factory is None:
         from jaxopd.sampler import Engine
@@ -395,11 +404,15 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
         config = engine_config_for(preset, timed, policy)
         engine_info[policy] = dataclasses.asdict(config)
         t = time.perf_counter()
+        log(f"engine ({policy}): max_slots {config.max_slots}, max_seq_len {config.max_seq_len}, "
+            f"{config.num_pages} pages of {config.page_size}; warming up (compiles every shape bucket) ...",
+            flush=True)
         engine = engine_factory(model, config)
         engine.start()
         try:
-            engine.warmup()
+            compiled = engine.warmup()
             timing["engine_warmup"] += time.perf_counter() - t
+            log(f"warm-up: {compiled} compiled shapes in {time.perf_counter() - t:.1f} s", flush=True)
             if calibration is None:
                 t = time.perf_counter()
                 n_cal = len(calibrated) * preset.calibration_measurements * (1 + len(preset.full_lengths))
@@ -426,6 +439,7 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
             timing["scan"] += time.perf_counter() - t
         finally:
             engine.stop()
+            engine = None      # free this engine's KV pages before the next policy's engine allocates its own
     timing["total"] = time.perf_counter() - t_start
 
     import jax

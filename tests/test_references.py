@@ -180,6 +180,9 @@ def test_alfworld_reference_cache_is_reused_and_invalidated(alfworld_references,
         task = env.tasks("train")[0]
     copied_cache = tmp_path / "refs"
     shutil.copytree(cache, copied_cache)
+    # moving the tree keeps the fingerprints: the cache is still valid
+    assert refs.build_references(counting_factory, [task], copied_cache)[task.task_id] == built[task.task_id]
+    assert factory_calls == []
     game_file = Path(task.payload["game_file"])
     stale = refs.task_fingerprint(task, shorten=False)
     game_file.write_text(json.dumps(json.loads(game_file.read_text()), indent=1))

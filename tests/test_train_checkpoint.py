@@ -126,13 +126,13 @@ def test_restore_onto_another_mesh_and_missing_checkpoints(tmp_path):
     one = Mesh(np.asarray(jax.devices()[:1], dtype=object).reshape(1, 1), ("data", "model"),
                axis_types=(AxisType.Auto,) * 2)
     state = init_train_state(STUDENT, optimizer, train_state_shardings(STUDENT, optimizer, eight))
+    single = train_state_shardings(STUDENT, optimizer, one)
     with TrainCheckpointer(tmp_path, max_to_keep=2) as checkpointer:
         with pytest.raises(FileNotFoundError, match="no checkpoint"):
-            checkpointer.restore(abstract_train_state(STUDENT, optimizer, train_state_shardings(STUDENT, optimizer, one)))
+            checkpointer.restore(abstract_train_state(STUDENT, optimizer, single))
         for step in (1, 2, 3):
             checkpointer.save(state, step=step)
         assert checkpointer.all_steps() == [2, 3]
-        single = train_state_shardings(STUDENT, optimizer, one)
         restored = checkpointer.restore(abstract_train_state(STUDENT, optimizer, single), step=2)
         with pytest.raises(FileNotFoundError, match="no checkpoint of step 1"):
             checkpointer.restore(abstract_train_state(STUDENT, optimizer, single), step=1)

@@ -60,3 +60,14 @@ def test_sync_casts_to_the_rollout_dtype_and_checks_the_structure():
     other_params = nnx.state(abstract_model(other), nnx.Param)
     with pytest.raises(ValueError, match="structure of the rollout shardings"):
         WeightSync(named_shardings(other_params, meshes.rollout))(trainer, version=1)
+
+
+def test_colocated_rollout_copy_survives_a_donating_train_step():
+    meshes = build_meshes(RolePlan.colocated_on(1))
+    trainer = trainer_side_params(meshes)
+    expected = jax.tree.map(np.asarray, trainer)
+    rollout = WeightSync.for_mesh(trainer, meshes.rollout)(trainer, version=3)
+    donating_update = jax.jit(lambda p: jax.tree.map(lambda x: x - 1.0, p), donate_argnums=0)
+    trainer = donating_update(trainer)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(rollout.params))
+    jax.tree.map(np.testing.assert_array_equal, expected, jax.tree.map(np.asarray, rollout.params))

@@ -142,6 +142,18 @@ def named_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules = DEFAULT
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
+def copy_to(tree: Any, shardings: Any) -> Any:
+    """``jax.device_put(tree, shardings)`` into new buffers: never aliases a source array (a copy is made
+    where source and target share devices), so donating either side later cannot delete the other."""
+    def put(x, sharding):
+        placed = jax.device_put(x, sharding)
+        if isinstance(x, jax.Array) and x.sharding.device_set & sharding.device_set:
+            placed = placed.copy()
+        return placed
+
+    return jax.tree.map(put, tree, shardings)
+
+
 def shard_model(model: nnx.Module, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> nnx.Module:
     """Moves the model's parameters onto ``mesh`` by their logical axes (in place) and returns the model."""
     state = nnx.state(model, nnx.Param)
@@ -167,4 +179,5 @@ def loader_sharding(abstract_state: nnx.State, mesh: Mesh, rules: ShardingRules 
 
 
 __all__ = ["DATA_AXIS", "MODEL_AXIS", "QWEN3_LOGICAL_AXES", "ShardingRules", "DEFAULT_RULES",
-           "logical_partition_spec", "partition_specs", "named_shardings", "shard_model", "loader_sharding"]
+           "logical_partition_spec", "partition_specs", "named_shardings", "copy_to", "shard_model",
+           "loader_sharding"]

@@ -41,7 +41,7 @@ class TrainCheckpointer:
             raise ValueError(f"max_to_keep must be positive or None, got {max_to_keep}")
         self.directory = os.path.abspath(os.fspath(directory))
         self._manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
 
     def __enter__(self) -> "TrainCheckpointer":
         return self

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxopd import losses
 from jaxopd.models.qwen3 import Qwen3, dense_causal_attend, token_log_probs
-from jaxopd.models.sharding import DATA_AXIS, DEFAULT_RULES, ShardingRules, named_shardings
+from jaxopd.models.sharding import DATA_AXIS, DEFAULT_RULES, ShardingRules, copy_to, named_shardings
 from jaxopd.train.buffer import TrainBatch
 
 Metrics = dict[str, jax.Array]
@@ -156,8 +156,11 @@ def abstract_train_state(abstract_params: nnx.State, optimizer: optax.GradientTr
 
 
 def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, shardings: TrainState) -> TrainState:
-    """A fresh train state (step 0, optimizer initialised) laid out by ``shardings``."""
-    params = jax.device_put(params, shardings.params)
+    """A fresh train state (step 0, optimizer initialised) laid out by ``shardings``.
+
+    The parameters are copied, never aliased, so that a donating train step cannot delete the caller's arrays.
+    """
+    params = copy_to(params, shardings.params)
     opt_state = jax.device_put(optimizer.init(params), shardings.opt_state)
     return TrainState(jax.device_put(jnp.zeros((), jnp.int32), shardings.step), params, opt_state)
 
@@ -277,7 +280,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
 
 
 def make_grad_fn(graphdef: nnx.GraphDef, loss_config: LossConfig, param_shardings: nnx.State,
-                 batch_sharding: TrainBatch) -> Callable[[nnx.State, TrainBatch], tuple[jax.Array, Metrics, nnx.State]]:
+                 batch_sharding: TrainBatch
+                 ) -> Callable[[nnx.State, TrainBatch], tuple[jax.Array, Metrics, nnx.State]]:
     """``grads(params, batch) -> (loss, metrics, grads)`` compiled for the mesh of ``param_shardings``;
     gradients come back sharded like the parameters (for accumulation over micro-batches or inspection)."""
     mesh = batch_sharding.tokens.mesh
@@ -324,12 +328,16 @@ def make_teacher_scorer(graphdef: nnx.GraphDef, param_shardings: nnx.State, mesh
 def score_batch(scorer: TeacherScorer, teacher_params: nnx.State, batch: TrainBatch,
                 trainer_batch_sharding: TrainBatch) -> TrainBatch:
     """Fills ``teacher_logp`` with the teacher's log-probs of the batch's tokens (computed on the teacher
-    mesh, then transferred) and returns the whole batch placed on ``trainer_batch_sharding``."""
+    mesh, then transferred) and returns the whole batch placed on ``trainer_batch_sharding``.
+
+    Any ``teacher_logp`` already in the batch is replaced; to train on log-probs the rollout computed
+    itself, or for ActionOPD (``LossConfig.needs_teacher_logp`` is False), call :func:`place_batch`.
+    """
     teacher_logp = scorer(teacher_params, batch.tokens, batch.positions, batch.attention_mask)
     return place_batch(batch.replace(teacher_logp=teacher_logp), trainer_batch_sharding)
 
 
 __all__ = ["OptimizerConfig", "make_optimizer", "LOSS_KINDS", "LossConfig", "TrainState", "replicated",
            "train_state_shardings", "abstract_train_state", "init_train_state", "batch_shardings", "place_batch",
-           "sequence_log_probs", "loss_from_log_probs", "batch_loss", "make_train_step", "make_grad_fn", "TeacherScorer",
-           "make_teacher_scorer", "score_batch"]
+           "sequence_log_probs", "loss_from_log_probs", "batch_loss", "make_train_step", "make_grad_fn",
+           "TeacherScorer", "make_teacher_scorer", "score_batch"]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxopd.models.sharding import DEFAULT_RULES, ShardingRules, named_shardings
+from jaxopd.models.sharding import DEFAULT_RULES, ShardingRules, copy_to, named_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,8 @@ class WeightSync:
     """Copies trainer parameters to fixed rollout shardings: ``sync(params, version) -> RolloutWeights``.
 
     ``dtype`` (e.g. ``'bfloat16'``) casts on the trainer devices before the transfer, so a float32 master
-    copy can feed a bfloat16 rollout engine; ``None`` keeps each parameter's dtype.
+    copy can feed a bfloat16 rollout engine; ``None`` keeps each parameter's dtype. The rollout copy never
+    shares buffers with the trainer's, also when the roles are colocated on the same devices.
     """
 
     def __init__(self, rollout_shardings: nnx.State, dtype: str | jnp.dtype | None = None):
@@ -47,7 +48,8 @@ class WeightSync:
                              "(different model architecture?)")
         if self.dtype is not None:
             params = _cast(params, self.dtype)
-        return RolloutWeights(jax.device_put(params, self.rollout_shardings), int(version))
+        # new buffers even when the roles share devices: the next (donating) train step must not delete them
+        return RolloutWeights(copy_to(params, self.rollout_shardings), int(version))
 
 
 def _cast(params: Any, dtype: jnp.dtype) -> Any:
