@@ -329,7 +329,9 @@ def point_to_dict(point: PointResult, *, policy: str, scans: Sequence[str], pres
         })
     return {"policy": policy, "scans": list(scans), "full_tokens": point.full_tokens, "T": point.T,
             "b_max": point.b_max, "tasks_per_batch": preset.tasks_per_batch, "num_batches": preset.num_batches,
-            "speedup_mean": point.speedup_mean, "speedup_std": point.speedup_std, "repeats": repeats,
+            "speedup_mean": point.speedup_mean,
+            "speedup_std": None if math.isnan(point.speedup_std) else point.speedup_std,   # None: one repeat
+            "repeats": repeats,
             "peak_concurrency": point.peak_concurrency, "idealized": ideal,
             "paper_speedup": report.paper_speedup(point.full_tokens, point.T, point.b_max, preset.tasks_per_batch)}
 

@@ -67,7 +67,7 @@ def points_of(results: Mapping[str, Any], scan: str, policy: str | None = None,
 # ------------------------------------------------------------------------------------------------- files
 def write_json(results: Mapping[str, Any], out_dir: Path) -> Path:
     path = out_dir / RESULTS_FILE
-    path.write_text(json.dumps(results, indent=1, allow_nan=True) + "\n")
+    path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")   # strict JSON: no NaN
     return path
 
 

@@ -7,7 +7,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from jaxopd.models.qwen3 import Qwen3Config, abstract_model
-from jaxopd.models.sharding import (ShardingRules, loader_sharding, logical_partition_spec, named_shardings,
+from jaxopd.models.sharding import (QWEN3_LOGICAL_AXES, ShardingRules, loader_sharding, logical_partition_spec, named_shardings,
                                     partition_specs, shard_model)
 
 TINY = Qwen3Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
@@ -24,6 +24,11 @@ def flat_specs(specs):
 
 
 def test_fsdp_tensor_specs_of_every_qwen3_parameter():
+    untied = nnx.state(abstract_model(Qwen3Config(**{**TINY.__dict__, "tie_word_embeddings": False})), nnx.Param)
+    used_axes = {axis for _, var in nnx.to_flat_state(untied) for axis in var.get_metadata()["axes"]}
+    assert used_axes == set(QWEN3_LOGICAL_AXES)
+    for rules in (ShardingRules.fsdp(), ShardingRules.fsdp_tensor()):
+        assert all(isinstance(rules.mesh_axes(axis), tuple) for axis in QWEN3_LOGICAL_AXES)
     mesh = make_mesh(4, 2)
     specs = flat_specs(partition_specs(nnx.state(abstract_model(TINY), nnx.Param), ShardingRules.fsdp_tensor(), mesh))
     assert specs["embedding_vd"] == P("model", "data")

@@ -5,7 +5,7 @@ from jaxopd.train.checkpoint import RestoredRun, TrainCheckpointer
 from jaxopd.train.mesh import RoleMeshes, RolePlan, RoleSpec, build_meshes
 from jaxopd.train.step import (LOSS_KINDS, LossConfig, OptimizerConfig, TeacherScorer, TrainState,
                                abstract_train_state, batch_loss, batch_shardings, init_train_state,
-                               make_grad_fn, make_optimizer, make_teacher_scorer, make_train_step, place_batch,
+                               make_optimizer, make_teacher_scorer, make_train_step, place_batch,
                                score_batch, sequence_log_probs, train_state_shardings)
 from jaxopd.train.sync import RolloutWeights, WeightSync, sync_weights
 
@@ -14,7 +14,7 @@ __all__ = [
     "RestoredRun", "TrainCheckpointer",
     "RoleMeshes", "RolePlan", "RoleSpec", "build_meshes",
     "LOSS_KINDS", "LossConfig", "OptimizerConfig", "TeacherScorer", "TrainState", "abstract_train_state",
-    "batch_loss", "batch_shardings", "init_train_state", "make_grad_fn", "make_optimizer", "make_teacher_scorer",
+    "batch_loss", "batch_shardings", "init_train_state", "make_optimizer", "make_teacher_scorer",
     "make_train_step", "place_batch", "score_batch", "sequence_log_probs", "train_state_shardings",
     "RolloutWeights", "WeightSync", "sync_weights",
 ]

@@ -279,21 +279,6 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                    out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,) if donate else ())
 
 
-def make_grad_fn(graphdef: nnx.GraphDef, loss_config: LossConfig, param_shardings: nnx.State,
-                 batch_sharding: TrainBatch
-                 ) -> Callable[[nnx.State, TrainBatch], tuple[jax.Array, Metrics, nnx.State]]:
-    """``grads(params, batch) -> (loss, metrics, grads)`` compiled for the mesh of ``param_shardings``;
-    gradients come back sharded like the parameters (for accumulation over micro-batches or inspection)."""
-    mesh = batch_sharding.tokens.mesh
-
-    def grads(params: nnx.State, batch: TrainBatch):
-        (loss, metrics), grads = jax.value_and_grad(batch_loss, has_aux=True)(params, graphdef, batch, loss_config)
-        return loss, metrics, grads
-
-    return jax.jit(grads, in_shardings=(param_shardings, batch_sharding),
-                   out_shardings=(replicated(mesh), replicated(mesh), param_shardings))
-
-
 @dataclasses.dataclass(frozen=True)
 class TeacherScorer:
     """Per-token log-probs of token sequences under the teacher, compiled for the teacher mesh.
@@ -339,5 +324,5 @@ def score_batch(scorer: TeacherScorer, teacher_params: nnx.State, batch: TrainBa
 
 __all__ = ["OptimizerConfig", "make_optimizer", "LOSS_KINDS", "LossConfig", "TrainState", "replicated",
            "train_state_shardings", "abstract_train_state", "init_train_state", "batch_shardings", "place_batch",
-           "sequence_log_probs", "loss_from_log_probs", "batch_loss", "make_train_step", "make_grad_fn",
+           "sequence_log_probs", "loss_from_log_probs", "batch_loss", "make_train_step",
            "TeacherScorer", "make_teacher_scorer", "score_batch"]
