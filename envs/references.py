@@ -182,36 +182,36 @@ def shorten_actions(env: TextEnv, task: Task, actions: Sequence[str], *,
 
     Candidates are the steps ``droppable`` accepts plus every step that was invalid in replay ("The door
     is already open"); "focus on" steps are never dropped. First all candidates are dropped at once; if
-    that fails, one at a time, last first, keeping each drop whose replay succeeds, for at most
-    ``max_trials`` replays (each trial replays the whole episode: ScienceWorld has no state snapshots).
-    A successful replay may end earlier than its actions: the tail after success is cut as well.
+    that fails, one at a time, first to last (early observation steps are the likeliest no-ops; late
+    ones often let time pass for a process to finish), keeping each drop whose replay succeeds, for at
+    most ``max_trials`` replays: each trial replays the whole episode, as ScienceWorld has no state
+    snapshots. A successful replay may end earlier than its actions: the tail after success is cut too.
     """
     best = replay(env, task, actions)
     if not best.succeeded:
         raise ReferenceBuildError(f"{task.task_id}: the candidate actions do not reach success")
-
-    def candidates(run: Replay) -> list[int]:
-        invalid = set(run.invalid_turns)
-        return [i for i, action in enumerate(run.actions)
-                if not normalize_action(action).startswith("focus") and (droppable(action) or i + 1 in invalid)]
-
-    drop = candidates(best)
+    invalid = set(best.invalid_turns)
+    # steps keep their position in ``best`` as identity while others are dropped around them
+    kept = list(range(len(best.actions)))
+    drop = [i for i in kept if not normalize_action(best.actions[i]).startswith("focus")
+            and (droppable(best.actions[i]) or i + 1 in invalid)]
     if not drop:
         return best
-    dropped = set(drop)
-    everything = replay(env, task, [a for i, a in enumerate(best.actions) if i not in dropped])
+    steps = best.actions
+    everything = replay(env, task, [steps[i] for i in kept if i not in set(drop)])
     trials = 1
     if everything.succeeded:
         return everything
-    for index in reversed(drop):
+    for index in drop:
         if max_trials is not None and trials >= max_trials:
             break
-        if index >= len(best.actions):
+        if index not in kept:                  # cut off with the tail of an earlier, shorter success
             continue
-        trial = replay(env, task, best.actions[:index] + best.actions[index + 1:])
+        trial_kept = [i for i in kept if i != index]
+        trial = replay(env, task, [steps[i] for i in trial_kept])
         trials += 1
         if trial.succeeded:
-            best = trial
+            best, kept = trial, trial_kept[:len(trial.actions)]
     return best
 
 

@@ -343,3 +343,26 @@ def test_thinking_budget_insertion_rules():
     assert _insertion("<think>r</think><action>go to", text) == ""
     with pytest.raises(ValueError, match="first_stage_tokens"):
         ThinkingBudget(first_stage_tokens=600, total_tokens=512)
+
+
+def test_two_level_vocabulary_scans_match_plain_ones():
+    from jaxopd.sampler.executor import blocked_argmax, inverse_cdf_sample, truncate_top_k_top_p
+
+    rng = np.random.default_rng(0)
+    for vocab in (7, 4099, 151_936):          # single block, padded blocks, divisor blocks
+        logits = jnp.asarray(rng.normal(size=(5, vocab)).astype(np.float32) * 3)
+        np.testing.assert_array_equal(np.asarray(blocked_argmax(logits)), np.asarray(jnp.argmax(logits, -1)))
+        probs = np.asarray(jax.nn.softmax(logits, -1), np.float64)
+        probs[:, ::3] = 0.0                     # zero-probability tokens are never drawn
+        u = rng.uniform(size=5)
+        tokens = np.asarray(inverse_cdf_sample(jnp.asarray(probs, jnp.float32), jnp.asarray(u, jnp.float32)))
+        cdf = np.cumsum(probs, -1)
+        expected = np.array([np.searchsorted(cdf[r], u[r] * cdf[r, -1], side="right") for r in range(5)])
+        assert np.all(np.abs(tokens - expected) <= 1) and np.all(probs[np.arange(5), tokens] > 0)
+        logp = jax.nn.log_softmax(logits, -1)
+        kept = np.asarray(truncate_top_k_top_p(logp, jnp.array([3, 0, 0, 1, 5]),
+                                               jnp.array([1.0, 0.5, 0.95, 1.0, 0.3])) > 0)
+        order = np.argsort(-np.asarray(logp), -1)
+        sorted_p = np.take_along_axis(np.exp(np.asarray(logp)), order, -1)
+        n_p = lambda p: int(np.sum(np.cumsum(sorted_p, -1) - sorted_p < p))
+        assert kept.sum(-1).tolist() == [3, n_p(0.5), n_p(0.95), 1, min(5, n_p(0.3))]

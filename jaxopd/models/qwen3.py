@@ -318,8 +318,14 @@ class Qwen3(nnx.Module):
             x, cache[i] = layer(i, x, cos, sin, attend, cache[i])
         return self.final_norm(x), cache
 
-    def logits(self, hidden: Array) -> Array:
-        """float32 logits ``[..., V]`` of final hidden states ``[..., D]``."""
+    def logits(self, hidden: Array, head_dv: Array | None = None) -> Array:
+        """float32 logits ``[..., V]`` of final hidden states ``[..., D]``.
+
+        ``head_dv``: a ``[D, V]`` copy of the tied embedding, if the caller keeps one (XLA's CPU matmul
+        against the transposed ``[V, D]`` embedding is markedly slower).
+        """
+        if head_dv is not None:
+            return jnp.einsum("...D,DV->...V", hidden, head_dv, preferred_element_type=jnp.float32)
         if self.config.tie_word_embeddings:
             return jnp.einsum("...D,VD->...V", hidden, self.embedding_vd[...], preferred_element_type=jnp.float32)
         return jnp.einsum("...D,DV->...V", hidden, self.lm_head_dv[...], preferred_element_type=jnp.float32)

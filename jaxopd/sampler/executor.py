@@ -88,6 +88,86 @@ def counter_uniform(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     return (mixed >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
 
 
+def _block_size(vocab: int) -> int:
+    """Block width for two-level scans: a divisor of the vocabulary near its square root when one exists
+    (151,936 = 128 × 1,187), so blocking is a free reshape; otherwise 512 with padding."""
+    if vocab <= 2048:
+        return vocab
+    divisors = [d for d in range(256, 2049) if vocab % d == 0]
+    return min(divisors, key=lambda d: abs(d * d - vocab)) if divisors else 512
+
+
+def _blocked(x: jax.Array, fill: float) -> jax.Array:
+    """``[R, V]`` → ``[R, num_blocks, block]`` (a reshape; padded with ``fill`` only if no divisor fits)."""
+    rows, vocab = x.shape
+    block = _block_size(vocab)
+    nb = -(-vocab // block)
+    if nb * block != vocab:
+        x = jnp.pad(x, ((0, 0), (0, nb * block - vocab)), constant_values=fill)
+    return x.reshape(rows, nb, block)
+
+
+def _last_positive(x: jax.Array) -> jax.Array:
+    """Index of the last entry > 0 along the last axis (0 if none)."""
+    n = x.shape[-1]
+    return n - 1 - jnp.argmax(x[..., ::-1] > 0, axis=-1)
+
+
+def blocked_argmax(x: jax.Array) -> jax.Array:
+    """``argmax`` over the last axis (first maximum), via block maxima: XLA's CPU argmax over a 151,936-wide
+    row is an order of magnitude slower than a max-reduction."""
+    xb = _blocked(x, -jnp.inf)
+    block = jnp.argmax(jnp.max(xb, axis=-1), axis=-1)
+    inner = jnp.take_along_axis(xb, block[:, None, None], axis=1)[:, 0]
+    return block * xb.shape[-1] + jnp.argmax(inner, axis=-1)
+
+
+def inverse_cdf_sample(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """Token ``i`` with ``cdf[i-1] <= u·total < cdf[i]`` for unnormalised ``probs`` ``[R, V]``, ``u`` in [0, 1).
+
+    Two levels (block sums, then one block) instead of a cumulative sum over the whole vocabulary: faster and
+    more accurate in float32. Zero-probability tokens are never returned.
+    """
+    pb = _blocked(probs, 0.0)
+    block_sums = jnp.sum(pb, axis=-1)
+    block_cdf = jnp.cumsum(block_sums, axis=-1)
+    target = u * block_cdf[:, -1]
+    block = jnp.sum(block_cdf <= target[:, None], axis=-1)
+    block = jnp.minimum(block, _last_positive(block_sums))
+    before = jnp.take_along_axis(block_cdf - block_sums, block[:, None], axis=1)[:, 0]
+    inner = jnp.take_along_axis(pb, block[:, None, None], axis=1)[:, 0]
+    index = jnp.sum(jnp.cumsum(inner, axis=-1) <= (target - before)[:, None], axis=-1)
+    index = jnp.minimum(index, _last_positive(inner))
+    return block * pb.shape[-1] + index
+
+
+def _bisect_threshold(logp: jax.Array, enough, iterations: int = 32) -> jax.Array:
+    """Largest ``t`` (per row) with ``enough(logp >= t)`` true, by bisection in log-probability space:
+    ``iterations`` masked reductions instead of a sort of the vocabulary."""
+    lo = jnp.min(jnp.where(jnp.isfinite(logp), logp, 0.0), axis=-1) - 1.0     # enough(all) holds
+    hi = jnp.max(logp, axis=-1)                                                # the mode always qualifies
+
+    def body(_, bounds):
+        lo, hi = bounds
+        mid = 0.5 * (lo + hi)
+        ok = enough(logp >= mid[:, None])
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, hi = jax.lax.fori_loop(0, iterations, body, (lo, hi))
+    return jnp.where(enough(logp >= hi[:, None]), hi, lo)
+
+
+def truncate_top_k_top_p(logp: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Unnormalised probabilities kept by top-k (``k > 0``) and top-p (``p < 1``): the smallest set of most
+    likely tokens holding at least ``top_p`` of the mass, intersected with the ``k`` most likely."""
+    probs = jnp.exp(logp)
+    k_threshold = _bisect_threshold(logp, lambda keep: jnp.sum(keep, axis=-1) >= top_k)
+    p_threshold = _bisect_threshold(logp, lambda keep: jnp.sum(jnp.where(keep, probs, 0.0), axis=-1) >= top_p)
+    threshold = jnp.maximum(jnp.where(top_k > 0, k_threshold, -jnp.inf),
+                            jnp.where(top_p < 1.0, p_threshold, -jnp.inf))
+    return jnp.where(logp >= threshold[:, None], probs, 0.0)
+
+
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array,
                   seeds: jax.Array, sample_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row; return (tokens, log-probabilities).
@@ -101,26 +181,11 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, t
     greedy = temperature <= 0.0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     logp = jax.nn.log_softmax(scaled, axis=-1)
-
-    def truncated_probs(logp):
-        order = jnp.sort(logp, axis=-1)[:, ::-1]                                   # descending
-        vocab = logp.shape[-1]
-        kth = jnp.take_along_axis(order, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=1)[:, 0]
-        k_threshold = jnp.where(top_k > 0, kth, -jnp.inf)
-        sorted_probs = jnp.exp(order)
-        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-        n_keep = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)
-        p_threshold = jnp.take_along_axis(order, (n_keep - 1)[:, None], axis=1)[:, 0]
-        threshold = jnp.maximum(k_threshold, jnp.where(top_p < 1.0, p_threshold, -jnp.inf))
-        return jnp.where(logp >= threshold[:, None], jnp.exp(logp), 0.0)
-
     needs_truncation = jnp.any((top_k > 0) | (top_p < 1.0))
-    probs = jax.lax.cond(needs_truncation, truncated_probs, jnp.exp, logp)
-    cdf = jnp.cumsum(probs, axis=-1)
-    u = counter_uniform(seeds, sample_positions)
-    sampled = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
-    sampled = jnp.minimum(sampled, logits.shape[-1] - 1)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    probs = jax.lax.cond(needs_truncation, lambda lp: truncate_top_k_top_p(lp, top_k, top_p), jnp.exp, logp)
+    sampled = inverse_cdf_sample(probs, counter_uniform(seeds, sample_positions))
+    argmax = jax.lax.cond(jnp.any(greedy), blocked_argmax, lambda x: jnp.zeros(x.shape[0], jnp.int32), logits)
+    tokens = jnp.where(greedy, argmax, sampled).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
 
 
@@ -172,7 +237,7 @@ def _paged_attend(attention, page_table, positions, write_pages, write_offsets):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def decode_step(graphdef, backend: str, state, kv, tokens, positions, page_table, active,
+def decode_step(graphdef, backend: str, state, kv, head_dv, tokens, positions, page_table, active,
                 temperature, top_p, top_k, seeds):
     """One token for every row: write its KV at ``positions``, attend over the row's pages, sample."""
     model = nnx.merge(graphdef, state)
@@ -183,13 +248,13 @@ def decode_step(graphdef, backend: str, state, kv, tokens, positions, page_table
     write_offsets = jnp.where(active, positions % page_size, 0)[:, None]
     attend = _paged_attend(kernels.get_backend(backend), page_table, positions[:, None], write_pages, write_offsets)
     hidden, kv = model.hidden_states(tokens[:, None], positions[:, None], attend, kv)
-    logits = model.logits(hidden[:, 0])
+    logits = model.logits(hidden[:, 0], head_dv)
     next_tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, seeds, positions + 1)
     return kv, next_tokens, logprobs
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def prefill_step(graphdef, backend: str, state, kv, tokens, starts, lengths, page_table,
+def prefill_step(graphdef, backend: str, state, kv, head_dv, tokens, starts, lengths, page_table,
                  temperature, top_p, top_k, seeds):
     """One prompt chunk per row: write its KV, attend causally over everything cached, sample after the
     chunk's last real token (used only when the chunk completes the prompt)."""
@@ -204,9 +269,14 @@ def prefill_step(graphdef, backend: str, state, kv, tokens, starts, lengths, pag
     attend = _paged_attend(kernels.get_backend(backend), page_table, positions, write_pages, write_offsets)
     hidden, kv = model.hidden_states(tokens, positions, attend, kv)
     last = jnp.maximum(lengths - 1, 0)
-    logits = model.logits(hidden[jnp.arange(tokens.shape[0]), last])
+    logits = model.logits(hidden[jnp.arange(tokens.shape[0]), last], head_dv)
     next_tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, seeds, starts + lengths)
     return kv, next_tokens, logprobs
+
+
+@jax.jit
+def _transposed_embedding(state):
+    return jnp.transpose(state["embedding_vd"][...])
 
 
 def compiled_count() -> int:
@@ -229,6 +299,9 @@ class Executor:
         self.backend = attention_backend
         kernels.get_backend(attention_backend)   # fail early on an unknown name
         self.graphdef, self.state = nnx.split(model)
+        self.head_dv = None
+        self._materialize_head = cfg.tie_word_embeddings and jax.default_backend() == "cpu"
+        self.set_state(self.state)
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         dtype = jnp.dtype(cfg.dtype)
         self.kv = [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
@@ -236,20 +309,23 @@ class Executor:
     def decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray]:
         s = batch.sampling
         self.kv, tokens, logprobs = decode_step(
-            self.graphdef, self.backend, self.state, self.kv, batch.tokens, batch.positions, batch.page_table,
-            batch.active, s.temperature, s.top_p, s.top_k, s.seeds)
+            self.graphdef, self.backend, self.state, self.kv, self.head_dv, batch.tokens, batch.positions,
+            batch.page_table, batch.active, s.temperature, s.top_p, s.top_k, s.seeds)
         return np.asarray(tokens), np.asarray(logprobs)
 
     def prefill(self, batch: PrefillBatch) -> tuple[np.ndarray, np.ndarray]:
         s = batch.sampling
         self.kv, tokens, logprobs = prefill_step(
-            self.graphdef, self.backend, self.state, self.kv, batch.tokens, batch.starts, batch.lengths,
-            batch.page_table, s.temperature, s.top_p, s.top_k, s.seeds)
+            self.graphdef, self.backend, self.state, self.kv, self.head_dv, batch.tokens, batch.starts,
+            batch.lengths, batch.page_table, s.temperature, s.top_p, s.top_k, s.seeds)
         return np.asarray(tokens), np.asarray(logprobs)
 
     def set_state(self, state: Any) -> None:
-        """Swap in new weights (same structure, shapes and dtypes: no recompilation)."""
+        """Swap in new weights (same structure, shapes and dtypes: no recompilation). On CPU a tied model
+        also keeps a ``[D, V]`` copy of its embedding for the logits matmul."""
         self.state = state
+        if self._materialize_head:
+            self.head_dv = _transposed_embedding(state)
 
     def warmup(self, max_prefill_tokens: int) -> int:
         """Compile every bucket with dummy work that writes only to the null page; returns the count."""
