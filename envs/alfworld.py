@@ -156,10 +156,12 @@ class AlfredEngine:
         self._closed = True
         lib = getattr(self._pddl_env, "downward_lib", None)
         if lib is not None:
+            # Free the engine's task state but never dlclose its copy of libdownward.so: the copies share
+            # C++ static registries, and unloading one leaves destructors that crash the interpreter at exit
+            # (SIGSEGV in options::RawRegistry::~RawRegistry). A closed engine keeps a few MB mapped.
             try:
-                import fast_downward
                 with _ENGINE_LOCK:
-                    fast_downward.close_lib(lib)   # each engine dlopen'ed its own copy of libdownward.so
+                    lib.cleanup()
             except Exception:  # noqa: BLE001 - best effort on shutdown
                 pass
             self._pddl_env.downward_lib = None
