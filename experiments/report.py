@@ -308,19 +308,19 @@ def summary_markdown(results: Mapping[str, Any]) -> str:
         header = "| T |"
         rule = "|---|"
         for L in cfg["full_lengths"]:
-            header += f" {L} measured | {L} idealized (C.5) | {L} Prop. 1 |"
-            rule += "---|---|---|"
+            header += f" {L} measured | {L} idealized (C.5) | {L} Prop. 1 | {L} Eq. 27 cap |"
+            rule += "---|---|---|---|"
         lines += [header, rule]
         for T in sorted({p["T"] for p in points_of(results, "horizon", policy)}):
             row = f"| {T} |"
             for L in cfg["full_lengths"]:
                 p = next((q for q in points_of(results, "horizon", policy, L) if q["T"] == T), None)
                 if p is None:
-                    row += " – | – | – |"
+                    row += " – | – | – | – |"
                     continue
                 ideal = p["idealized"]
                 row += (f" {_fmt_speedup(p)} | {_fmt(ideal.get('calibrated_speedup'))}x | "
-                        f"{_fmt(ideal.get('prop1_speedup'))}x |")
+                        f"{_fmt(ideal.get('prop1_speedup'))}x | {_fmt(ideal.get('eq27_bound'))}x |")
             lines.append(row)
         lines.append("")
     lines += [f"Paper (Qwen3-1.7B, vLLM on one A100, N = 16, T = 30): b_max 16 → 256 raises the speedup "

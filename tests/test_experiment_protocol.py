@@ -279,3 +279,15 @@ def test_tokenized_prompts_are_the_two_generation_modes():
     for text in (full_text, fast_text):
         assert "put a hot tomato in garbagecan" in text and "go to microwave 1" in text
     assert [c.index for c in tokenize_contexts(cs, tok)] == [0, 1]
+
+
+def test_committed_snapshot_is_the_seed_42_proportional_sample():
+    from experiments.actfirst_alfworld import SNAPSHOT_PATH, load_contexts
+    cs = load_context_set(SNAPSHOT_PATH)
+    src = cs.source
+    assert len(cs) == 1024 and src["seed"] == 42 and src["split"] == "train"
+    assert src["sampled_per_type"] == proportional_allocation(src["pool_per_type"], 1024)
+    assert collections.Counter(c.task_type for c in cs.contexts) == src["sampled_per_type"]
+    assert len({c.task_id for c in cs.contexts}) == src["distinct_tasks"] <= src["pool_size"]
+    assert all(c.admissible_actions and c.instruction.startswith("Your task is to:") for c in cs.contexts)
+    assert load_contexts(16, source="snapshot").contexts == cs.contexts[:16]
