@@ -17,16 +17,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from envs.alfworld import TASK_TYPES as ALFWORLD_TASK_TYPES  # stdlib-only import: no alfworld needed
 from experiments.speedup_protocol import TaskContext
 
-ALFWORLD_TASK_TYPES = (     # envs.alfworld.TASK_TYPES, repeated so loading a snapshot needs no alfworld
-    "pick_and_place_simple",
-    "look_at_obj_in_light",
-    "pick_clean_then_place_in_recep",
-    "pick_heat_then_place_in_recep",
-    "pick_cool_then_place_in_recep",
-    "pick_two_obj_and_place",
-)
 ALFWORLD_PROMPT_LIMIT = 10_240      # ActFirst paper's ALFWorld prompt limit (App. C, Table 6)
 FULL_MODE = "full"                  # think-then-act prompt of full responses
 FAST_MODE = "next_action"           # action-only prompt without reference (App. C.5)
