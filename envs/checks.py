@@ -1,8 +1,9 @@
 """Transition consistency checks of the ActFirst-OPD paper, App. B.5, for ALFWorld and ScienceWorld.
 
-Owns the observation/action text normalisation used to compare an executed transition with its
-reference counterpart, and the per-benchmark rules that decide whether reference guidance may
-continue. Each rule below quotes the sentence of App. B.5 it implements.
+Owns the observation normal forms used to compare an executed transition with its reference
+counterpart (built on the one text normaliser, :mod:`envs.text`; ScienceWorld's adds line and
+enumeration sorting) and the per-benchmark rules that decide whether reference guidance may continue.
+Each rule below quotes the sentence of App. B.5 it implements.
 
 App. B.5, common part: "Retaining reference guidance requires a valid action, agreement of the
 [student]'s termination flag with the reference, and the benchmark-specific conditions below. The
@@ -12,13 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import unicodedata
 from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from envs.text import normalize_lines, normalize_text
 
 __all__ = [
     "TransitionCheck",
     "TransitionSide",
-    "normalize_text_line",
     "normalize_observation",
     "normalize_action",
     "normalize_scienceworld_observation",
@@ -59,6 +62,10 @@ class TransitionSide:
     admissible_actions: tuple[str, ...] = ()
     action_templates: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        for name in ("admissible_actions", "action_templates"):
+            object.__setattr__(self, name, _text_sequence(getattr(self, name), name))
+
 
 def _as_side(value: Any, what: str) -> TransitionSide:
     if isinstance(value, TransitionSide):
@@ -76,27 +83,23 @@ def _as_side(value: Any, what: str) -> TransitionSide:
     text = get("text")
     if not isinstance(text, str):
         raise ValueError(f"{what}: 'text' must be a str, got {type(text).__name__}")
-    return TransitionSide(text=text, done=bool(get("done")),
-                          admissible_actions=tuple(get("admissible_actions", ()) or ()),
-                          action_templates=tuple(get("action_templates", ()) or ()))
+    done = get("done")
+    if not isinstance(done, (bool, np.bool_)):
+        raise ValueError(f"{what}: 'done' must be a bool, got {type(done).__name__} {done!r}")
+    return TransitionSide(text=text, done=bool(done),
+                          admissible_actions=_text_sequence(get("admissible_actions", ()) or (),
+                                                            f"{what}.admissible_actions"),
+                          action_templates=_text_sequence(get("action_templates", ()) or (),
+                                                          f"{what}.action_templates"))
 
 
 # ----------------------------------------------------------------------------------------------
 # Normalisation
 # ----------------------------------------------------------------------------------------------
 
-def normalize_text_line(line: str) -> str:
-    """NFKC, case folding and whitespace collapse of a single line (leading/trailing space removed)."""
-    return " ".join(unicodedata.normalize("NFKC", line).casefold().split())
-
-
-def _normalized_lines(text: str) -> list[str]:
-    # App. B.5: "applying Unicode NFKC normalization and case folding, standardizing line endings,
-    # collapsing whitespace within each line, and removing empty lines."
-    text = unicodedata.normalize("NFKC", text).casefold()
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    lines = (" ".join(line.split()) for line in text.split("\n"))
-    return [line for line in lines if line]
+normalize_action = normalize_text
+"""Action text normalisation: App. B.5 applies "the same text normalization" as to observations, on one
+line (the project's one normaliser, :func:`envs.text.normalize_text`, under the name callers use)."""
 
 
 def normalize_observation(text: str) -> str:
@@ -106,24 +109,44 @@ def normalize_observation(text: str) -> str:
     folding, standardizing line endings, collapsing whitespace within each line, and removing empty
     lines. The remaining line order is preserved except in ScienceWorld."
     """
-    if not isinstance(text, str):
-        raise ValueError(f"observation text must be a str, got {type(text).__name__}")
-    return "\n".join(_normalized_lines(text))
+    return "\n".join(normalize_lines(text, what="observation text"))
 
 
-def normalize_action(action: str) -> str:
-    """Action text normalisation ("the same text normalization" as observations, on one line)."""
-    if not isinstance(action, str):
-        raise ValueError(f"action must be a str, got {type(action).__name__}")
-    return " ".join(_normalized_lines(action))
+def _text_sequence(values: Any, name: str) -> tuple[str, ...]:
+    """``values`` as a tuple of str; a lone str or bytes (which would be read letter by letter) is a
+    ValueError naming ``name``, as is any element that is not a str."""
+    if isinstance(values, (str, bytes, bytearray)):
+        raise ValueError(f"{name} must be a sequence of str, not one {type(values).__name__} "
+                         f"(got {values!r:.60})")
+    try:
+        values = tuple(values)
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of str, got {type(values).__name__}") from None
+    for index, value in enumerate(values):
+        if not isinstance(value, str):
+            raise ValueError(f"{name}[{index}] must be a str, got {type(value).__name__}")
+    return values
 
 
-def normalized_action_set(actions: Iterable[str]) -> frozenset[str]:
+def normalized_action_set(actions: Iterable[str], *, name: str = "actions") -> frozenset[str]:
     """Actions/templates after text normalisation "with duplicates removed and order ignored"."""
-    return frozenset(normalize_action(a) for a in actions)
+    return frozenset(normalize_text(a) for a in _text_sequence(actions, name))
 
 
 # ---- ScienceWorld enumeration sorting ---------------------------------------------------------
+#
+# The sorting is a normal form: normalising its output again changes nothing, and the same items in
+# another order give the same text. Three choices make it one:
+# - a period that ends an item of the enumeration after "is:" is punctuation, not part of the item: it
+#   is removed from every item (the sentence's own period is the last item's), and the sorted
+#   enumeration ends with one period when any item ended with one. Keeping it on the item made the
+#   result ambiguous: "is: c ., b" gave "is: b, c .", whose " ." was then read as the sentence's period.
+# - parenthesis depth is one clamped scan (an unmatched ")" does not go below 0) shared by the
+#   enumeration split, the "non-nested" test of (containing ...) and the choice of the "is:" anchor;
+# - the anchor is the last "is:" outside parentheses, and its enumeration is sorted only when every item
+#   is balanced (each parenthesis has its partner in the same item): then moving an item changes neither
+#   what a parenthesis encloses nor which (containing ...) groups are nested. Malformed enumerations keep
+#   their order.
 
 _CLAUSE_START = re.compile(r"^(which|that)\b")
 # "(containing ...)" with no parenthesis inside: the innermost, non-nested form.
@@ -131,22 +154,44 @@ _CONTAINING_GROUP = re.compile(r"\(containing ([^()]*)\)")
 _ENUMERATION_ANCHOR = "is:"
 
 
+def _depths(text: str) -> list[int]:
+    """Parenthesis depth before each character of ``text`` (and after the last), clamped at 0."""
+    depths = [0]
+    for char in text:
+        depth = depths[-1]
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth = max(depth - 1, 0)
+        depths.append(depth)
+    return depths
+
+
+def _balanced(text: str) -> bool:
+    """Whether every parenthesis of ``text`` has its partner inside ``text``."""
+    depth = 0
+    for char in text:
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+            if depth < 0:
+                return False
+    return depth == 0
+
+
 def split_scienceworld_enumeration(enumeration: str) -> list[str]:
     """Split an object enumeration into items, as App. B.5 specifies for ScienceWorld.
 
     "Enumeration parsing ignores commas inside parentheses and retains clauses starting with which or
     that with their preceding item." So ``"a stove, which is off, a cup (containing a, b)"`` gives
-    ``["a stove, which is off", "a cup (containing a, b)"]``.
+    ``["a stove, which is off", "a cup (containing a, b)"]``. Items are stripped; empty ones are dropped.
     """
+    depths = _depths(enumeration)
     pieces: list[str] = []
-    depth = 0
     start = 0
     for i, char in enumerate(enumeration):
-        if char == "(":
-            depth += 1
-        elif char == ")":
-            depth = max(depth - 1, 0)
-        elif char == "," and depth == 0:
+        if char == "," and depths[i] == 0:
             pieces.append(enumeration[start:i])
             start = i + 1
     pieces.append(enumeration[start:])
@@ -165,37 +210,45 @@ def _sorted_enumeration(enumeration: str) -> str:
     return ", ".join(sorted(split_scienceworld_enumeration(enumeration)))
 
 
-def _is_top_level(line: str, position: int) -> bool:
-    return line.count("(", 0, position) == line.count(")", 0, position)
-
-
 def _sort_containing_groups(line: str) -> str:
     """Sort the items of every non-nested ``(containing ...)`` expression of a line.
 
     Non-nested: the expression holds no parenthesis and is not inside another parenthesis
     (a ``(containing ...)`` that is part of a nesting is left in its original order).
     """
+    depths = _depths(line)
+
     def replace(match: re.Match) -> str:
-        if not _is_top_level(line, match.start()):
+        if depths[match.start()] != 0:
             return match.group(0)
         return f"(containing {_sorted_enumeration(match.group(1))})"
 
     return _CONTAINING_GROUP.sub(replace, line)
 
 
-def _sort_after_last_is(line: str) -> str:
-    """Sort the enumeration that follows the last ``is:`` of a line (one final period kept in place)."""
+def _enumeration_anchor(line: str) -> int:
+    """Start of the last ``is:`` of ``line`` outside parentheses, or -1."""
+    depths = _depths(line)
     anchor = line.rfind(_ENUMERATION_ANCHOR)
+    while anchor >= 0 and depths[anchor] != 0:
+        anchor = line.rfind(_ENUMERATION_ANCHOR, 0, anchor)
+    return anchor
+
+
+def _sort_after_last_is(line: str) -> str:
+    """Sort the enumeration that follows the last ``is:`` of a line; see the note above on periods."""
+    anchor = _enumeration_anchor(line)
     if anchor < 0:
         return line
-    head, tail = line[: anchor + len(_ENUMERATION_ANCHOR)], line[anchor + len(_ENUMERATION_ANCHOR):].strip()
-    period = tail.endswith(".")
-    if period:
-        tail = tail[:-1]
-    sorted_tail = _sorted_enumeration(tail)
-    if not sorted_tail:
+    head, tail = line[: anchor + len(_ENUMERATION_ANCHOR)], line[anchor + len(_ENUMERATION_ANCHOR):]
+    items = split_scienceworld_enumeration(tail)
+    if not all(_balanced(item) for item in items):
+        return line        # malformed: moving an unmatched parenthesis would change what it encloses
+    period = any(item.endswith(".") for item in items)
+    items = [stripped for stripped in (item.rstrip(" .") for item in items) if stripped]
+    if not items:
         return line
-    return f"{head} {sorted_tail}{'.' if period else ''}"
+    return f"{head} {', '.join(sorted(items))}{'.' if period else ''}"
 
 
 def normalize_scienceworld_observation(text: str) -> str:
@@ -205,11 +258,12 @@ def normalize_scienceworld_observation(text: str) -> str:
     (containing ...) expressions and after the last is: on each line. Enumeration parsing ignores
     commas inside parentheses and retains clauses starting with which or that with their preceding
     item." Applied after :func:`normalize_observation`: per line, the non-nested ``(containing ...)``
-    enumerations are sorted, then the enumeration after the line's last ``is:``; finally the lines.
+    enumerations are sorted, then the enumeration after the line's last ``is:`` (outside parentheses;
+    item-final periods are punctuation, see the note above); finally the lines. It is a normal form:
+    normalising its result again returns it unchanged.
     """
-    if not isinstance(text, str):
-        raise ValueError(f"observation text must be a str, got {type(text).__name__}")
-    lines = [_sort_after_last_is(_sort_containing_groups(line)) for line in _normalized_lines(text)]
+    lines = [_sort_after_last_is(_sort_containing_groups(line))
+             for line in normalize_lines(text, what="observation text")]
     return "\n".join(sorted(lines))
 
 
@@ -220,21 +274,21 @@ def normalize_scienceworld_observation(text: str) -> str:
 def is_alfworld_action_valid(action: str | None, admissible_actions: Iterable[str]) -> bool:
     """App. B.5, ALFWorld: "An action is valid if its normalized text belongs to the current
     admissible-action set, excluding help." A missing (unparsed) action is invalid."""
+    admissible = normalized_action_set(admissible_actions, name="admissible_actions") - {_HELP_ACTION}
     if action is None:
         return False
-    normalized = normalize_action(action)
-    if not normalized or normalized == _HELP_ACTION:
-        return False
-    return normalized in (normalized_action_set(admissible_actions) - {_HELP_ACTION})
+    normalized = normalize_text(action, what="action")
+    return bool(normalized) and normalized in admissible
 
 
 def is_scienceworld_action_valid(action: str | None, admissible_actions: Iterable[str]) -> bool:
     """App. B.5, ScienceWorld: "An action is valid if its normalized text appears in the current
     admissible-action list." ("The full admissible-action list is used for action validation.")"""
+    admissible = normalized_action_set(admissible_actions, name="admissible_actions")
     if action is None:
         return False
-    normalized = normalize_action(action)
-    return bool(normalized) and normalized in normalized_action_set(admissible_actions)
+    normalized = normalize_text(action, what="action")
+    return bool(normalized) and normalized in admissible
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,7 +373,11 @@ _CHECKS = {"alfworld": check_alfworld_transition, "scienceworld": check_sciencew
 
 def check_transition(benchmark: str, action: str | None, admissible_actions: Iterable[str],
                      next_observation: Any, reference_next_observation: Any) -> TransitionCheck:
-    """Dispatch to the App. B.5 check of ``benchmark`` ("alfworld" or "scienceworld")."""
+    """Dispatch to the App. B.5 check of ``benchmark`` ("alfworld" or "scienceworld").
+
+    ``admissible_actions`` is a sequence of str; one str or bytes (which would be read letter by letter)
+    is a ValueError naming the argument, here and in every check and validity function of this module.
+    """
     try:
         check = _CHECKS[benchmark]
     except KeyError:

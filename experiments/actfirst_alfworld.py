@@ -18,6 +18,7 @@ import os
 import platform
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -538,16 +539,66 @@ def options_from_args(args: argparse.Namespace, *, backend: str | None = None) -
                       command="python -m experiments.actfirst_alfworld " + shlex.join(sys.argv[1:]))
 
 
+def prepare_out_dir(out: Path) -> Path:
+    """Create ``out`` and prove it writable now, before hours of work, not when the report is written."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--out {str(out)!r} is not a writable folder: {exc.strerror or exc}") from exc
+    return out
+
+
+def check_model_choice(model: str, weights: str | None) -> None:
+    """``--model`` names a preset (when no weights are given) and ``--weights`` is a Hugging Face folder."""
+    if weights:
+        folder = Path(weights).expanduser()
+        if not folder.is_dir():
+            raise ValueError(f"--weights {weights!r} is not a folder")
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"--weights {weights!r} holds no config.json (a Hugging Face Qwen3 folder is needed)")
+        return
+    from jaxopd.models.qwen3 import PRESETS as MODEL_PRESETS
+
+    if model.lower().replace("_", "-") not in MODEL_PRESETS:
+        raise ValueError(f"--model {model!r} is not a Qwen3 preset; choose one of {sorted(MODEL_PRESETS)}")
+
+
+def preflight(options: RunOptions) -> ContextSet | None:
+    """Every check that can fail on the user's input, before the model is built. Returns the contexts when
+    they come from a file (cheap to read), so that a count or format problem is found here."""
+    check_model_choice(options.model, options.weights)
+    context_set = None
+    resolved = options.contexts_source
+    if options.contexts_file is not None or resolved == "snapshot" or (
+            resolved == "auto" and not os.environ.get("ALFWORLD_DATA") and SNAPSHOT_PATH.is_file()):
+        context_set = load_contexts(options.preset.num_contexts, source=options.contexts_source,
+                                    contexts_file=options.contexts_file)
+    prepare_out_dir(options.out)
+    return context_set
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.write_contexts_snapshot:
-        n = args.contexts or PRESETS["paper"].num_contexts
+        n = PRESETS["paper"].num_contexts if args.contexts is None else args.contexts
+        if n < 1:
+            print(f"error: --contexts must be a positive number of contexts to sample, got {n}", file=sys.stderr)
+            return 2
+        try:
+            prepare_out_dir(Path(args.write_contexts_snapshot).expanduser().resolve().parent)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         context_set = collect_initial_contexts(n, seed=CONTEXT_SEED)
         path = save_context_set(args.write_contexts_snapshot, context_set)
         print(f"{n} contexts ({context_set.source['distinct_tasks']} distinct tasks) written to {path}")
         return 0
     try:
         options = options_from_args(args)
+        context_set = preflight(options)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -557,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"N={p.tasks_per_batch} tasks/batch x {p.num_batches} batch(es), {p.repeats} repeat(s); full "
           f"{'/'.join(map(str, p.full_lengths))} tokens; b_max {list(p.bmax_scan)} at T={p.bmax_scan_T}; "
           f"T {list(p.horizon_scan)} at b_max={p.horizon_scan_bmax}; output {options.out}", flush=True)
-    results = run_experiment(options)
+    results = run_experiment(options, context_set=context_set)
     print()
     print(report.summary_markdown(results).split("## Calibrated")[0].rstrip())
     print()

@@ -2,9 +2,9 @@
 
 Owns the drivers that run one batch of tasks for T virtual turns on fixed contexts through an engine
 (``run_batch``), the single-request latency calibration (``calibrate_latencies``) and paired, order-alternated
-repeats over batches (``run_paired_point``). It works with any object that has the sampler engine's surface
-(``submit`` → future, ``max_concurrency``, ``wait_idle``): ``jaxopd.sampler.Engine`` or
-``experiments.fake_engine.FakeEngine``. Times come from the engine's own ``Result.timings``, so they cover
+repeats over batches (``run_paired_point``). It works with any ``jaxopd.sampler.EngineProtocol`` (it uses
+``submit`` → future, ``max_concurrency``, ``wait_idle``, ``events``): ``jaxopd.sampler.Engine`` or
+``jaxopd.sampler.SimulatedEngine``. Times come from the engine's own ``Result.timings``, so they cover
 queueing, prefill, decoding and scheduling and exclude tokenisation (prompts arrive as token ids).
 
 Scheduling of one batch of N tasks, each with its own fixed context, for T virtual turns:

@@ -2,7 +2,8 @@
 
 Owns the shared clipped-surrogate primitive and its loss aggregation modes, the per-method advantages
 (sampled reverse KL, importance-weighted reverse KL, action-agreement rewards with group centering and
-batch whitening) and STI-OPD's turn-level discrepancy score. Imports nothing from the project.
+batch whitening) and STI-OPD's turn-level discrepancy score. Imports nothing from the project; the
+action strings that ActionOPD's match counts come from are handled in ``jaxopd.rollout.actions``.
 
 Conventions: token arrays are ``[batch, length]`` (one row per turn-level response), ``mask`` marks the
 supervised tokens (model-generated; inserted tokens, prompts and padding are 0), log-probabilities are
@@ -13,8 +14,6 @@ finite where they are differentiated (``logp``), as masking uses ``jnp.where``. 
 
 from __future__ import annotations
 
-import re
-import unicodedata
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import chex
@@ -463,60 +462,6 @@ def actionopd_loss(logp: chex.Array, behavior_logp: chex.Array, response_advanta
                                   dual_clip=dual_clip, aggregation="token-mean")
 
 
-# host-side helpers (plain Python) for rewards from action strings
-
-
-def normalize_action(action: str) -> str:
-    """Canonical text of an environment action: NFKC, case-folded, whitespace collapsed."""
-    return re.sub(r"\s+", " ", unicodedata.normalize("NFKC", action).casefold()).strip()
-
-
-def actions_match(candidate: str, teacher: str) -> bool:
-    """Default matcher m_s for text actions (ALFWorld / ScienceWorld commands): equal after normalisation."""
-    return normalize_action(candidate) == normalize_action(teacher)
-
-
-def action_match_count(candidate: Optional[str], teacher_actions: Sequence[str],
-                       matcher: Callable[[str, str], bool] = actions_match) -> int:
-    """c(s, y) = Σ_k m_s(y, y_k^T) (ActionOPD Eq. 5); repeated teacher samples count separately.
-
-    ``candidate=None`` stands for an invalid output, which never matches.
-    """
-    if candidate is None:
-        return 0
-    return sum(1 for teacher in teacher_actions if matcher(candidate, teacher))
-
-
-def action_agreement_rewards(candidates: Sequence[Optional[str]], teacher_actions: Sequence[str],
-                             num_teacher_samples: int, match_bonus_scale: float = 0.5,
-                             matcher: Callable[[str, str], bool] = actions_match) -> list[float]:
-    """Host-side r_λ (ActionOPD Eq. 5-6) of each candidate against the retained teacher multiset.
-
-    ``candidates[i] is None`` marks an invalid output (reward -1). ``teacher_actions`` holds the valid
-    teacher samples (at most K, non-empty: an empty multiset supervises nothing and is a ValueError).
-    """
-    if not teacher_actions:
-        raise ValueError("action_agreement_rewards: the teacher multiset is empty; the state has no supervision")
-    if int(num_teacher_samples) != num_teacher_samples or num_teacher_samples < len(teacher_actions):
-        raise ValueError(f"action_agreement_rewards: num_teacher_samples (K={num_teacher_samples}) must be an "
-                         f"integer >= the {len(teacher_actions)} retained teacher samples")
-    if any(teacher is None for teacher in teacher_actions):
-        raise ValueError("action_agreement_rewards: teacher_actions must hold only valid (non-None) actions")
-    rewards = []
-    for candidate in candidates:
-        if candidate is None:
-            rewards.append(-1.0)
-            continue
-        count = action_match_count(candidate, teacher_actions, matcher)
-        if count == 0:
-            rewards.append(0.0)
-        elif num_teacher_samples == 1:
-            rewards.append(1.0)
-        else:
-            rewards.append(1.0 + match_bonus_scale * (count - 1) / (num_teacher_samples - 1))
-    return rewards
-
-
 __all__ = [
     "AGGREGATION_MODES", "LOG_RATIO_BOUND", "SEQ_MEAN_EPSILON", "SurrogateTokenTerms", "GroupAdvantages",
     "clipped_surrogate_token_loss", "aggregate_token_loss", "clipped_surrogate_loss",
@@ -524,5 +469,4 @@ __all__ = [
     "sti_turn_discrepancy", "sti_intervention_probability", "sti_importance_weighted_reverse_kl",
     "sti_behavior_logp", "sti_opd_loss",
     "action_agreement_reward", "action_group_advantages", "actionopd_loss",
-    "normalize_action", "actions_match", "action_match_count", "action_agreement_rewards",
 ]

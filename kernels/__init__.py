@@ -1,28 +1,32 @@
-"""Paged-attention backends behind one signature, chosen by name.
+"""Attention kernels: the dense GQA softmax and the paged-KV backends, chosen by name.
 
-Every backend computes ``paged_attention(q, k_pages, v_pages, page_table, q_positions) -> out`` with
-``q`` ``[B, T, num_heads, H]``, pages ``[num_pages, page_size, num_kv_heads, H]``, ``page_table`` ``[B, P]``
-(page ids of each row's sequence, in order) and ``q_positions`` ``[B, T]`` (absolute position of each
-query; a query sees every cached position <= its own). ``reference`` is pure jnp and runs anywhere; a
-Pallas GPU or TPU ragged kernel registers itself here under another name and the engine picks it by name.
+Owns the registry of ``AttentionBackend`` objects (``kernels.backend``): ``get_backend(name)`` returns the one
+object that owns a layer's KV page layout, the KV write and the prefill / decode attention. ``reference``
+(pure jnp, pages ``[num_pages, page_size, kv_heads, head_dim]``) and ``reference-hnd`` (the same with pages
+``[kv_heads, num_pages, page_size, head_dim]``) run anywhere; a Pallas GPU or TPU kernel registers itself here
+under another name and the engine picks it by name. ``kernels.dense.grouped_attention`` is the dense attention
+of the model. Nothing here imports ``jaxopd``.
 """
 from __future__ import annotations
 
-from typing import Callable
+from kernels.backend import AttentionBackend, LayerCache
+from kernels.dense import grouped_attention
+from kernels.paged_attention_reference import (HeadsFirstReferenceBackend, ReferenceBackend,
+                                               paged_attention_reference, write_kv_pages)
 
-from kernels.paged_attention_reference import paged_attention_reference, write_kv_pages
-
-PagedAttentionFn = Callable[..., "object"]
-
-_BACKENDS: dict[str, PagedAttentionFn] = {"reference": paged_attention_reference}
-
-
-def register_backend(name: str, fn: PagedAttentionFn) -> None:
-    """Make ``fn`` available as ``get_backend(name)``."""
-    _BACKENDS[name] = fn
+_BACKENDS: dict[str, AttentionBackend] = {}
 
 
-def get_backend(name: str) -> PagedAttentionFn:
+def register_backend(backend: AttentionBackend, name: str | None = None) -> None:
+    """Make ``backend`` available as ``get_backend(name or backend.name)``."""
+    if not isinstance(backend, AttentionBackend):
+        raise TypeError(f"{backend!r} does not implement kernels.AttentionBackend")
+    hash(backend)   # a static jit argument: must be hashable
+    _BACKENDS[name or backend.name] = backend
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The registered backend called ``name``."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown paged-attention backend {name!r}; available: {sorted(_BACKENDS)}")
     return _BACKENDS[name]
@@ -32,4 +36,9 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-__all__ = ["get_backend", "register_backend", "available_backends", "write_kv_pages", "paged_attention_reference"]
+register_backend(ReferenceBackend())
+register_backend(HeadsFirstReferenceBackend())
+
+__all__ = ["AttentionBackend", "LayerCache", "get_backend", "register_backend", "available_backends",
+           "grouped_attention", "ReferenceBackend", "HeadsFirstReferenceBackend", "write_kv_pages",
+           "paged_attention_reference"]

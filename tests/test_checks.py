@@ -1,14 +1,23 @@
 """App. B.5 transition consistency checks: one crafted observation pair (or more) per rule."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from envs.base import Observation
-from envs.checks import (TransitionSide, check_alfworld_transition, check_scienceworld_transition,
-                         check_transition, is_alfworld_action_valid, is_scienceworld_action_valid,
-                         normalize_action, normalize_observation, normalize_scienceworld_observation,
-                         split_scienceworld_enumeration)
-
+from envs.checks import (
+    TransitionSide,
+    check_alfworld_transition,
+    check_scienceworld_transition,
+    check_transition,
+    is_alfworld_action_valid,
+    is_scienceworld_action_valid,
+    normalize_action,
+    normalize_observation,
+    normalize_scienceworld_observation,
+    split_scienceworld_enumeration,
+)
 
 # ---- common normalisation ----------------------------------------------------------------------
 
@@ -220,3 +229,132 @@ def test_inputs_as_mappings_and_dispatch():
         check_transition("alfworld", "wait", (), {"text": "x"}, reference)
     with pytest.raises(ValueError, match="expected an Observation"):
         check_transition("alfworld", "wait", (), 42, reference)
+
+
+# ---- ScienceWorld normal form: properties over random enumerations (issue 15, item 18) ----------------
+
+_NOUNS = ("a cup", "b", "c", "an orange", "a red apple", "the agent", "a substance called water", "a tin cup",
+          "a drawer", "nothing", "a thermometer", "Ｃ", "ab", "a b", "Stove")
+_CLAUSES = ("which is turned off", "that is open", "which is on")
+_ITEM_ENDS = ("", "", "", ".", " .", "..", " . .")
+_ANCHORS = ("on the table is:", "In the cupboard is:", "a counter. On the counter is:", "on it is:")
+
+
+def _random_item(rng):
+    """One enumeration item as (parts to shuffle, parts in fixed order): a noun, maybe a non-nested
+    (containing ...) group (its items are shuffled per rendering), a nested one (fixed), a which/that
+    clause, and a trailing-period variant that travels with the item."""
+    noun = rng.choice(_NOUNS)
+    group = None
+    if rng.random() < 0.3:
+        group = [rng.choice(_NOUNS) for _ in range(rng.randrange(1, 4))]
+    nested = None
+    if group is None and rng.random() < 0.1:
+        nested = f"(containing a jar (containing {rng.choice(_NOUNS)}, {rng.choice(_NOUNS)}), {rng.choice(_NOUNS)})"
+    clause = rng.choice(_CLAUSES) if rng.random() < 0.2 else None
+    return noun, group, nested, clause, rng.choice(_ITEM_ENDS)
+
+
+def _spaced(rng, text):
+    return rng.choice(("", " ", "  ", "\t")) + text + rng.choice(("", " ", "  "))
+
+
+def _comma(rng):
+    return rng.choice((",", ", ", " , ", ",  ", ",\t"))
+
+
+def _render_item(rng, item):
+    noun, group, nested, clause, end = item
+    text = noun
+    if group is not None:
+        members = list(group)
+        rng.shuffle(members)
+        text += " (containing " + _comma(rng).join(_spaced(rng, m) for m in members) + ")"
+    if nested is not None:
+        text += " " + nested
+    if clause is not None:
+        text += _comma(rng) + clause
+    if rng.random() < 0.2:
+        text = text.upper()
+    return _spaced(rng, text + end)
+
+
+def _render_line(rng, anchor, items, final_period):
+    items = list(items)
+    rng.shuffle(items)
+    return _spaced(rng, anchor) + _comma(rng).join(_render_item(rng, i) for i in items) + final_period
+
+
+def _random_observation(rng):
+    """The same observation twice, each rendering with its own item, group-member and line order, its
+    own spacing and case: (text_a, text_b)."""
+    lines = []
+    for _ in range(rng.randrange(1, 4)):
+        anchor = rng.choice(_ANCHORS)
+        items = [_random_item(rng) for _ in range(rng.randrange(1, 6))]
+        lines.append((anchor, items, rng.choice(("", "", ".", " .", ". "))))
+    texts = []
+    for _ in range(2):
+        order = list(lines)
+        rng.shuffle(order)
+        texts.append(rng.choice(("\n", "\r\n", "\n\n")).join(_render_line(rng, *line) for line in order))
+    return tuple(texts)
+
+
+def test_scienceworld_normal_form_is_idempotent_and_order_free_on_random_enumerations():
+    # "on the table is: c ., b" used to give "... b, c ." and then "... b, c.": the item's period was read
+    # as the sentence's once sorting moved it last. An item-final period is punctuation now.
+    assert normalize_scienceworld_observation("on the table is: c ., b") == "on the table is: b, c."
+    assert normalize_scienceworld_observation("on the table is: b, c .") == "on the table is: b, c."
+    rng = random.Random(15018)
+    for case in range(20_000):
+        text_a, text_b = _random_observation(rng)
+        once = normalize_scienceworld_observation(text_a)
+        assert normalize_scienceworld_observation(once) == once, (case, text_a)
+        assert normalize_scienceworld_observation(text_b) == once, (case, text_a, text_b)
+
+
+def test_scienceworld_normal_form_is_idempotent_on_arbitrary_text():
+    # Malformed text too: unbalanced parentheses, "is:" inside parentheses, empty items, stray periods.
+    pieces = ("a", "b", "c ", " ", ",", ", ", ".", " .", "(", ")", "(containing ", "is:", " is: ", "which ",
+              "that ", "\n", "X")
+    rng = random.Random(19)
+    for case in range(20_000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 30)))
+        once = normalize_scienceworld_observation(text)
+        assert normalize_scienceworld_observation(once) == once, (case, text)
+
+
+def test_admissible_list_given_as_one_string_is_rejected():
+    # Issue 15, item 19: a str was read letter by letter ("look" made "l", "o", "k" admissible).
+    side = TransitionSide(text="x", done=False)
+    for bad in ("look", b"look"):
+        for benchmark in ("alfworld", "scienceworld"):
+            with pytest.raises(ValueError, match="admissible_actions must be a sequence of str"):
+                check_transition(benchmark, "l", bad, side, side)
+            with pytest.raises(ValueError, match="admissible_actions must be a sequence of str"):
+                check_transition(benchmark, None, bad, side, side)
+        with pytest.raises(ValueError, match="admissible_actions must be a sequence of str"):
+            is_alfworld_action_valid("l", bad)
+        with pytest.raises(ValueError, match="admissible_actions must be a sequence of str"):
+            is_scienceworld_action_valid("l", bad)
+    with pytest.raises(ValueError, match=r"admissible_actions\[1\] must be a str"):
+        check_transition("alfworld", "look", ["look", 3], side, side)
+    # the next state's lists too, whether given as a mapping or a TransitionSide
+    with pytest.raises(ValueError, match="next_observation.admissible_actions must be a sequence of str"):
+        check_transition("alfworld", "look", ["look"], {"text": "x", "done": False, "admissible_actions": "look"},
+                         side)
+    with pytest.raises(ValueError, match="action_templates must be a sequence of str"):
+        TransitionSide(text="x", done=False, action_templates="open OBJ")
+    assert check_transition("alfworld", "look", ("look",), side, side).ok
+
+
+@pytest.mark.parametrize("done", ["False", "True", 0, 1, None])
+def test_done_must_be_a_bool_not_a_truthy_value(done):
+    """Issue 15 item 19: {"done": "False"} used to count as done."""
+    side = {"text": "You arrive at the desk.", "done": done, "admissible_actions": ["look"]}
+    good = {"text": "You arrive at the desk.", "done": False, "admissible_actions": ["look"]}
+    with pytest.raises(ValueError, match="'done' must be a bool"):
+        check_transition("alfworld", "look", ["look"], side, good)
+    import numpy as np
+    assert check_transition("alfworld", "look", ["look"], dict(good, done=np.bool_(False)), good).ok

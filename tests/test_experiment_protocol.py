@@ -10,10 +10,10 @@ from experiments import idealized
 from experiments.alfworld_contexts import (ALFWORLD_TASK_TYPES, ContextSet, InitialContext, load_context_set,
                                            proportional_allocation, sample_proportionally, save_context_set,
                                            tokenize_contexts)
-from experiments.fake_engine import FakeEngine
 from experiments.speedup_protocol import (ScheduleViolation, TaskContext, Workload, calibrate_latencies,
                                           check_schedule, make_batches, parse_request_id, peak_concurrency,
                                           request_seed, run_batch, run_paired_point, strategy_order)
+from jaxopd.sampler.simulated import SimulatedEngine
 
 
 def contexts(n, prompt_len=5):
@@ -41,7 +41,7 @@ def test_hand_computed_batch_at_b_max_equal_to_n():
     ActFirst by hand: t=0 admit f0,F0 (task0) | t=1 f0 done, turn 1 of task0 queued; admit f1(task1 t0)
     | t=2 admit F1 | t=4 F0 done, admit task0 f | t=5 admit task0 F | t=6 F1 done, admit task1 f | t=7 admit
     task1 F | t=9 task0 F done | t=11 task1 F done -> 11."""
-    engine = FakeEngine({"fast": 1.0, "full": 4.0})
+    engine = SimulatedEngine({"fast": 1.0, "full": 4.0})
     ctx = contexts(2)
     vanilla = run_batch(engine, "vanilla", ctx, 2, Workload(), b_max=2)
     actfirst = run_batch(engine, "actfirst", ctx, 2, Workload(), b_max=2)
@@ -52,7 +52,7 @@ def test_hand_computed_batch_at_b_max_equal_to_n():
 
 
 def test_unlimited_concurrency_reproduces_proposition_1():
-    engine = FakeEngine({"fast": 0.5, "full": 3.0})
+    engine = SimulatedEngine({"fast": 0.5, "full": 3.0})
     for T in (1, 2, 5, 13):
         v = run_batch(engine, "vanilla", contexts(4), T, Workload(), b_max=256)
         a = run_batch(engine, "actfirst", contexts(4), T, Workload(), b_max=256)
@@ -65,7 +65,7 @@ def test_unlimited_concurrency_reproduces_proposition_1():
 @pytest.mark.parametrize("b_max", [1, 2, 3, 5, 64])
 def test_recorded_events_follow_the_protocol_and_the_cap(policy, b_max):
     N, T = 3, 4
-    engine = FakeEngine({"fast": 1.0, "full": 5.0}, policy=policy)
+    engine = SimulatedEngine({"fast": 1.0, "full": 5.0}, policy=policy)
     vanilla = run_batch(engine, "vanilla", contexts(N), T, Workload(), b_max=b_max, tag="v", check_events=True)
     vanilla_events, engine.events = engine.events, []
     actfirst = run_batch(engine, "actfirst", contexts(N), T, Workload(), b_max=b_max, tag="a", check_events=True)
@@ -95,7 +95,7 @@ def test_recorded_events_follow_the_protocol_and_the_cap(policy, b_max):
 
 
 def test_the_schedule_checks_catch_violations():
-    engine = FakeEngine({"fast": 1.0, "full": 5.0})
+    engine = SimulatedEngine({"fast": 1.0, "full": 5.0})
     run_batch(engine, "actfirst", contexts(2), 3, Workload(), b_max=4, tag="a")
     events = list(engine.events)
     check_schedule(events, "actfirst", tag="a", T=3, num_tasks=2, b_max=4)
@@ -110,7 +110,7 @@ def test_the_schedule_checks_catch_violations():
     with pytest.raises(ScheduleViolation, match="submitted before"):
         check_schedule(early + [e for e in events if e not in early], "actfirst", tag="a", T=3, num_tasks=2, b_max=4)
     # a Vanilla turn submitted while the previous one runs
-    engine = FakeEngine({"fast": 1.0, "full": 5.0})
+    engine = SimulatedEngine({"fast": 1.0, "full": 5.0})
     run_batch(engine, "vanilla", contexts(1), 2, Workload(), b_max=4, tag="v")
     ev = list(engine.events)            # submit0 admit0 finish0 submit1 admit1 finish1
     with pytest.raises(ScheduleViolation):
@@ -127,7 +127,7 @@ def test_completion_times_respect_the_a2_lower_bound_on_random_workloads():
         l_full = rng.uniform(l_fast, 8.0)
         b_max = rng.randint(1, 3 * N * T)
         policy = rng.choice(["fifo", "fast-first"])
-        engine = FakeEngine({"fast": l_fast, "full": l_full}, policy=policy)
+        engine = SimulatedEngine({"fast": l_fast, "full": l_full}, policy=policy)
         a = run_batch(engine, "actfirst", contexts(N), T, Workload(), b_max=b_max)
         v = run_batch(engine, "vanilla", contexts(N), T, Workload(), b_max=b_max)
         lower = idealized.actfirst_completion_lower_bound(N, T, l_fast, l_full, b_max)
@@ -141,13 +141,13 @@ def test_completion_times_respect_the_a2_lower_bound_on_random_workloads():
 
 def test_slowdown_model_stretches_service_with_the_batch():
     # two requests of 2 s each at slowdown(n) = n (processor sharing): both finish at 4 s
-    engine = FakeEngine({"fast": 1.0, "full": 2.0}, slowdown=lambda n: float(n))
+    engine = SimulatedEngine({"fast": 1.0, "full": 2.0}, slowdown=lambda n: float(n))
     run = run_batch(engine, "vanilla", contexts(2), 1, Workload(), b_max=2)
     assert run.completion_time == pytest.approx(4.0)
     assert [r.finished_at for r in run.records] == pytest.approx([4.0, 4.0])
 
 
-class RecordingEngine(FakeEngine):
+class RecordingEngine(SimulatedEngine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.requests = []
@@ -191,7 +191,7 @@ def test_request_seeds_depend_on_context_turn_and_kind_only():
 
 
 def test_calibration_measures_each_kind_alone():
-    engine = FakeEngine(lambda r: 0.01 * r.params.max_new_tokens + (0.5 if r.kind == "fast" else 0.0))
+    engine = SimulatedEngine(lambda r: 0.01 * r.params.max_new_tokens + (0.5 if r.kind == "fast" else 0.0))
     cal = calibrate_latencies(engine, contexts(3), Workload(), full_token_lengths=(128, 512), measurements=3)
     assert cal.medians("fast").tolist() == pytest.approx([0.66] * 3)
     assert cal.medians("full128").tolist() == pytest.approx([1.28] * 3)
@@ -201,7 +201,7 @@ def test_calibration_measures_each_kind_alone():
 
 
 def test_bad_batch_arguments():
-    engine = FakeEngine({"fast": 1.0, "full": 2.0})
+    engine = SimulatedEngine({"fast": 1.0, "full": 2.0})
     with pytest.raises(ValueError):
         run_batch(engine, "think-then-act", contexts(2), 2, Workload(), b_max=2)
     with pytest.raises(ValueError):

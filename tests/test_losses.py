@@ -245,21 +245,7 @@ class STITest(chex.TestCase):
 
 
 class ActionOPDTest(chex.TestCase):
-
-    def test_host_rewards_paper_example(self):
-        teacher = ["go to desk 1", "Go to  Desk 1", "open drawer 2"]  # multiset [A, A, B]
-        candidates = ["go to desk 1", "open drawer 2", "look", None]
-        self.assertEqual(losses.action_agreement_rewards(candidates, teacher, num_teacher_samples=3,
-                                                         match_bonus_scale=0.5), [1.25, 1.0, 0.0, -1.0])
-        self.assertEqual(losses.action_match_count("GO TO DESK 1 ", teacher), 2)
-        self.assertEqual(losses.action_match_count(None, teacher), 0)
-        # two retained copies of A with nominal K = 3 (App. A.3); K = 1 gives unit reward
-        self.assertEqual(losses.action_agreement_rewards(["a", "b"], ["a", "a"], 3), [1.25, 0.0])
-        self.assertEqual(losses.action_agreement_rewards(["a", "b", None], ["a"], 1), [1.0, 0.0, -1.0])
-        with pytest.raises(ValueError, match="empty"):
-            losses.action_agreement_rewards(["a"], [], 3)
-        with pytest.raises(ValueError, match="num_teacher_samples"):
-            losses.action_agreement_rewards(["a"], ["a", "a", "b"], 2)
+    # The host-side rewards from action strings are tested in tests/test_actions.py.
 
     @chex.variants(**VARIANTS)
     def test_array_rewards(self):

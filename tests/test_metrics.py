@@ -3,9 +3,19 @@ from __future__ import annotations
 
 import pytest
 
-from jaxopd.rollout.metrics import (RolloutQuality, StepRecord, TrajectoryRecord, has_unproductive_repetition,
-                                    is_executed_action_valid, mean_turns, normalize_text, repeat_percent,
-                                    rollout_quality, successful_yield, unproductive_repetition_steps)
+from envs.text import normalize_text
+from jaxopd.rollout.metrics import (
+    RolloutQuality,
+    StepRecord,
+    TrajectoryRecord,
+    has_unproductive_repetition,
+    is_executed_action_valid,
+    mean_turns,
+    repeat_percent,
+    rollout_quality,
+    successful_yield,
+    unproductive_repetition_steps,
+)
 
 S0, S1 = frozenset({"at(agent, hall)"}), frozenset({"at(agent, kitchen)"})
 

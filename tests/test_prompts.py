@@ -5,14 +5,14 @@ import dataclasses
 
 import pytest
 
+from jaxopd.rollout.actions import extract_action
 from jaxopd.rollout.prompts import (
     GENERATION_MODES,
     PromptInputs,
-    early_stop_text,
-    extract_action,
     prompt_messages,
     render_prompt,
 )
+from jaxopd.rollout.thinking import early_stop_text
 from jaxopd.tokenizer import Qwen3Tokenizer
 
 

@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 
 from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from jaxopd.rollout.thinking import ThinkingBudget, submit_budgeted
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 from jaxopd.sampler.allocator import OutOfPages, PageAllocator
-from jaxopd.sampler.executor import counter_uniform, sample_tokens
-from jaxopd.sampler.thinking import ThinkingBudget, submit_budgeted
+from jaxopd.sampler.sampling import counter_uniform, sample_tokens
 
 VOCAB = 512
 MAX_SEQ = 400
@@ -157,7 +157,7 @@ def test_fast_first_admits_fast_ahead_of_waiting_full(model):
     (dict(prompt_ids=[1], params=SamplingParams(max_new_tokens=4, top_p=1.5)), "top_p must be in \\(0, 1\\]"),
     (dict(prompt_ids=[1], params=SamplingParams(max_new_tokens=4, min_new_tokens=9)), "min_new_tokens \\(9\\)"),
     (dict(prompt_ids=[1, VOCAB], params=SamplingParams(max_new_tokens=4)), "prompt_ids must be integers in"),
-    (dict(prompt_ids=[1], params=SamplingParams(max_new_tokens=4), kind="slow"), "kind must be 'fast' or 'full'"),
+    (dict(prompt_ids=[1], params=SamplingParams(max_new_tokens=4), kind=""), "kind must be a non-empty string tag"),
 ])
 def test_bad_input_is_rejected_while_others_complete(model, request_kwargs, message):
     good = SamplingParams(max_new_tokens=6, temperature=0.0)
@@ -336,7 +336,7 @@ def test_thinking_budget_inserts_early_stop_and_masks_it(model):
 
 
 def test_thinking_budget_insertion_rules():
-    from jaxopd.sampler.thinking import _insertion
+    from jaxopd.rollout.thinking import _insertion
     text = lambda ended: "E" if ended else "E</think>"
     assert _insertion("<think>reasoning", text) == "E</think>"
     assert _insertion("<think>reasoning</think>\n\n", text) == "E"
@@ -346,7 +346,7 @@ def test_thinking_budget_insertion_rules():
 
 
 def test_two_level_vocabulary_scans_match_plain_ones():
-    from jaxopd.sampler.executor import blocked_argmax, inverse_cdf_sample, truncate_top_k_top_p
+    from jaxopd.sampler.sampling import blocked_argmax, inverse_cdf_sample, truncate_top_k_top_p
 
     rng = np.random.default_rng(0)
     for vocab in (7, 4099, 151_936):          # single block, padded blocks, divisor blocks

@@ -3,7 +3,8 @@
 Owns the architecture (config presets, blocks, RoPE, RMSNorm, GQA attention, SwiGLU MLP, tied or untied
 head) and one forward pass whose attention step is a pluggable function: the dense causal attention in
 this file serves training and scoring, and the sampler passes a paged-cache attention that writes the
-layer's keys/values into its pages. The model itself knows nothing of caches or sampling.
+layer's keys/values into its pages. The model itself knows nothing of caches or sampling; the masked GQA
+softmax is ``kernels.dense.grouped_attention``, shared with the paged backends.
 
 Parameters carry logical axis names in their ``axes`` metadata (``('embed', 'q_heads', 'head_dim')``, ...);
 ``jaxopd.models.sharding`` maps them onto a mesh.
@@ -17,6 +18,8 @@ from typing import Any, Protocol, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from kernels.dense import grouped_attention
 
 Array = jax.Array
 
@@ -260,27 +263,8 @@ class DecoderLayer(nnx.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Dense attention (training, scoring, reference)
+# Dense attention (training, scoring, reference): kernels.dense.grouped_attention over the sequence itself
 # ----------------------------------------------------------------------------------------------------------
-def grouped_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """Softmax attention with GQA. ``q`` ``[B,T,N,H]``, ``k``/``v`` ``[B,S,K,H]``, ``mask`` ``[B,T,S]`` (True = attend).
-
-    Scores and softmax in float32; a query row with no visible key returns zeros.
-    """
-    b, t, n, h = q.shape
-    kv_heads = k.shape[2]
-    qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * (h ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    probs = jnp.exp(scores - row_max)
-    denom = jnp.sum(probs, axis=-1, keepdims=True)
-    probs = probs / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, n, h).astype(q.dtype)
-
-
 def dense_causal_attend(positions: Array, attention_mask: Array) -> AttendFn:
     """Causal attention over the sequence itself: token i sees token j iff j is real and pos_j <= pos_i."""
     visible = (positions[:, None, :] <= positions[:, :, None]) & attention_mask[:, None, :].astype(bool)
@@ -345,12 +329,6 @@ class Qwen3(nnx.Module):
             attention_mask = jnp.ones(tokens.shape, dtype=bool)
         hidden, _ = self.hidden_states(tokens, positions, dense_causal_attend(positions, attention_mask))
         return self.logits(hidden)
-
-
-def token_log_probs(logits: Array, targets: Array, temperature: float | Array = 1.0) -> Array:
-    """log softmax(logits / temperature)[targets], in float32."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
 def count_params(tree: Any) -> int:

@@ -1,19 +1,20 @@
 """Rollout-quality metrics of the ActFirst-OPD paper, App. C.5: unproductive repetition, successful
 yield per 100 transitions, and mean executed turns.
 
-Pure functions over trajectory records; nothing here touches an environment or a model.
+Pure functions over trajectory records; nothing here touches an environment or a model. Text is compared
+after the project's one normaliser, :func:`envs.text.normalize_text`.
 """
 from __future__ import annotations
 
 import dataclasses
-import unicodedata
 from typing import Hashable, Iterable, Sequence
+
+from envs.text import normalize_text  # App. C.5: "Unicode NFKC, case folding, and whitespace normalization"
 
 __all__ = [
     "StepRecord",
     "TrajectoryRecord",
     "RolloutQuality",
-    "normalize_text",
     "is_executed_action_valid",
     "unproductive_repetition_steps",
     "has_unproductive_repetition",
@@ -88,13 +89,6 @@ def _as_step(step) -> StepRecord:
         return StepRecord(*step)
     raise ValueError("a step must be a StepRecord or a tuple (state, action, next_observation, won[, valid]), "
                      f"got {step!r}")
-
-
-def normalize_text(text: str) -> str:
-    """App. C.5: "Text normalization uses Unicode NFKC, case folding, and whitespace normalization"."""
-    if not isinstance(text, str):
-        raise ValueError(f"text must be a str, got {type(text).__name__}")
-    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
 
 
 def is_executed_action_valid(action: str | None, admissible_actions: Iterable[str]) -> bool:

@@ -1,25 +1,22 @@
-"""Agent prompts of the ActFirst-OPD generation modes for ALFWorld and ScienceWorld, and action extraction.
+"""Agent prompts of the ActFirst-OPD generation modes for ALFWorld and ScienceWorld.
 
 Owns the per-benchmark templates of the three modes (full think-then-act, next-action prediction,
-reference-conditioned inverse dynamics; paper Section 4 and App. B.1), their rendering through the Qwen3 chat
-format under a prompt-token budget with oldest-pair-first history truncation (App. B.2), the early-stop text
-of budgeted thinking (App. B.3), and parsing of the ``<action>…</action>`` answer.
+reference-conditioned inverse dynamics; paper Section 4 and App. B.1) and their rendering through the Qwen3
+chat format under a prompt-token budget with oldest-pair-first history truncation (App. B.2). The answer's
+tags are in :mod:`jaxopd.rollout.tags`, its parsing in :mod:`jaxopd.rollout.actions`, budgeted thinking
+(App. B.3) in :mod:`jaxopd.rollout.thinking`.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Literal, Sequence
 
+from jaxopd.rollout.tags import ACTION_END, ACTION_START
 from jaxopd.tokenizer import Tokenizer
 
 GenerationMode = Literal["full", "next_action", "inverse_dynamics"]
 GENERATION_MODES: tuple[str, ...] = ("full", "next_action", "inverse_dynamics")
 BENCHMARKS: tuple[str, ...] = ("alfworld", "scienceworld")
-
-ACTION_OPEN = "<action>"
-ACTION_CLOSE = "</action>"
-# Action-only requests stop generating at this string (paper App. C.5: "stop at </action> or 512 tokens").
-ACTION_STOP_STRING = ACTION_CLOSE
 
 _SYSTEM_PROMPTS = {
     "alfworld": (
@@ -145,19 +142,19 @@ def _instruction_section(mode: str, inputs: PromptInputs) -> str:
     if mode == "full":
         return (
             "Now it is your turn to act. First reason step by step about the task, what you have done so far "
-            f"and the current observation. Then choose {choice} and present it within {ACTION_OPEN} "
-            f"{ACTION_CLOSE} tags, for example {ACTION_OPEN}your chosen action{ACTION_CLOSE}."
+            f"and the current observation. Then choose {choice} and present it within {ACTION_START} "
+            f"{ACTION_END} tags, for example {ACTION_START}your chosen action{ACTION_END}."
         )
     if mode == "next_action":
         return (
             f"Now it is your turn to act. Choose {choice} as your next action. Respond with only that action "
-            f"within {ACTION_OPEN} {ACTION_CLOSE} tags, for example {ACTION_OPEN}your chosen action"
-            f"{ACTION_CLOSE}, and nothing else."
+            f"within {ACTION_START} {ACTION_END} tags, for example {ACTION_START}your chosen action"
+            f"{ACTION_END}, and nothing else."
         )
     return (
         "Now it is your turn to act. Choose the action that makes the environment go from the current "
         f"observation to the target next observation, as {choice}. Respond with only that action within "
-        f"{ACTION_OPEN} {ACTION_CLOSE} tags, for example {ACTION_OPEN}your chosen action{ACTION_CLOSE}, "
+        f"{ACTION_START} {ACTION_END} tags, for example {ACTION_START}your chosen action{ACTION_END}, "
         "and nothing else."
     )
 
@@ -237,43 +234,3 @@ def render_prompt(
         f"budget of {max_prompt_tokens} tokens (the current observation, admissible-action information"
         f"{' and reference observation' if mode == 'inverse_dynamics' else ''} are never cut)"
     )
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Budgeted thinking (App. B.3) and answer parsing
-# ----------------------------------------------------------------------------------------------------------
-def early_stop_text(reasoning_ended: bool) -> str:
-    """Text inserted when a full response hits its first-stage thinking budget before its action started.
-
-    Follows Qwen3's thinking-budget recipe adapted to the ``<action>`` format (the paper's exact wording did
-    not survive text extraction): it closes the reasoning with ``</think>`` unless the reasoning already
-    ended. When the action has already started, callers insert nothing.
-    """
-    instruction = "Considering the limited time, I have to give the action based on my thinking directly now."
-    if reasoning_ended:
-        return f"{instruction}\n"
-    return f"\n\n{instruction}\n</think>\n\n"
-
-
-def extract_action(text: str) -> str | None:
-    """The action of a response: the content of its last complete ``<action>…</action>``, stripped.
-
-    Only the answer counts: when the response has reasoning, the text after its last ``</think>`` is
-    searched, and a response whose ``<think>`` never closed has no action. None when there is no complete
-    tag pair, or its content is empty after stripping (an invalid output).
-    """
-    if not isinstance(text, str):
-        raise ValueError(f"extract_action expects a str, got {type(text).__name__}")
-    think_end = text.rfind("</think>")
-    if think_end >= 0:
-        text = text[think_end + len("</think>"):]
-    elif "<think>" in text:
-        return None
-    close = text.rfind(ACTION_CLOSE)
-    if close < 0:
-        return None
-    open_ = text.rfind(ACTION_OPEN, 0, close)
-    if open_ < 0:
-        return None
-    action = text[open_ + len(ACTION_OPEN):close].strip()
-    return action or None

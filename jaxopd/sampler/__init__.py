@@ -1,5 +1,13 @@
-"""Paged-KV-cache sampler with continuous batching: public types and the engine."""
-from jaxopd.sampler.engine import Engine, EngineConfig, EngineEvent
-from jaxopd.sampler.types import Request, Result, SamplingParams, Timings
+"""Paged-KV-cache sampler with continuous batching: the engine surface, its public types and two engines.
 
-__all__ = ["Engine", "EngineConfig", "EngineEvent", "Request", "Result", "SamplingParams", "Timings"]
+``EngineProtocol`` is what callers program against; ``Engine`` serves a Qwen3 model on a device,
+``SimulatedEngine`` (``jaxopd.sampler.simulated``) replays the same scheduling on a virtual clock.
+"""
+from jaxopd.sampler.engine import Engine, EngineConfig
+from jaxopd.sampler.protocol import EngineProtocol
+from jaxopd.sampler.scheduler import POLICIES, SchedulingPolicy
+from jaxopd.sampler.simulated import SimulatedEngine
+from jaxopd.sampler.types import EngineEvent, Request, Result, SamplingParams, Timings
+
+__all__ = ["Engine", "EngineConfig", "EngineEvent", "EngineProtocol", "POLICIES", "Request", "Result",
+           "SamplingParams", "SchedulingPolicy", "SimulatedEngine", "Timings"]

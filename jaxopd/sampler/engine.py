@@ -1,13 +1,13 @@
 """The sampling engine: a thread that runs scheduler steps on the executor and resolves request futures.
 
-Owns the public API (``submit`` → ``Future[Result]``, ``submit_async``, ``abort``, ``max_concurrency``,
-``warmup``, ``update_weights``), request validation at submission, stop conditions (length, stop tokens,
-stop strings on the decoded tail, ``min_new_tokens``), timings and the optional event log. One bad
-request never stops the engine: it is rejected at ``submit`` or fails alone.
+Owns the paged-KV implementation of ``EngineProtocol`` (``submit`` → ``Future[Result]``, ``submit_async``,
+``abort``, ``max_concurrency``, ``update_weights``, ``wait_idle``, ``events``) plus ``warmup``, request
+validation at submission, stop conditions (length, stop tokens, stop strings on the decoded tail,
+``min_new_tokens``), timings and the optional event log. One bad request never stops the engine: it is
+rejected at ``submit`` or fails alone.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
@@ -21,10 +21,12 @@ from typing import Any
 import numpy as np
 
 from jaxopd.models.qwen3 import Qwen3
-from jaxopd.sampler.executor import (Buckets, DecodeBatch, Executor, PrefillBatch, SamplingArrays, bucket,
-                                     compiled_count)
-from jaxopd.sampler.scheduler import POLICIES, PrefillChunk, Scheduler, Sequence
-from jaxopd.sampler.types import Request, Result, Timings
+from jaxopd.sampler.buckets import Buckets, bucket
+from jaxopd.sampler.executor import DecodeBatch, Executor, PrefillBatch, compiled_count
+from jaxopd.sampler.protocol import EngineBase
+from jaxopd.sampler.sampling import SamplingArrays
+from jaxopd.sampler.scheduler import POLICIES, Policy, PrefillChunk, Scheduler, Sequence, scheduling_policy
+from jaxopd.sampler.types import EngineEvent, Request
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,9 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Static engine limits. ``max_slots`` is the largest b_max the engine can serve (decode is compiled
-    for row buckets up to it); ``max_concurrency`` can then be lowered at run time without recompiling."""
+    for row buckets up to it); ``max_concurrency`` can then be lowered at run time without recompiling.
+    ``policy``: a name of ``scheduler.POLICIES`` (``fifo``, ``fast-first``, ``priority``) or a
+    ``SchedulingPolicy``. ``attention_backend``: a name of ``kernels.available_backends()``."""
 
     max_slots: int = 64
     page_size: int = 16
@@ -41,7 +45,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     max_prefill_tokens: int = 4096
     max_prefill_rows: int = 16
-    policy: str = "fifo"
+    policy: Policy = "fifo"
     eos_token_ids: tuple[int, ...] = (151645, 151643)
     attention_backend: str = "reference"
     record_events: bool = False
@@ -51,8 +55,11 @@ class EngineConfig:
                      "max_prefill_tokens", "max_prefill_rows"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"EngineConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        try:
+            scheduling_policy(self.policy)
+        except ValueError:
+            raise ValueError(f"EngineConfig.policy must be one of {tuple(POLICIES)} or a SchedulingPolicy, "
+                             f"got {self.policy!r}") from None
         pages_per_seq = math.ceil(self.max_seq_len / self.page_size)
         if self.num_pages - 1 < pages_per_seq:
             raise ValueError(f"num_pages {self.num_pages} cannot hold one sequence of max_seq_len "
@@ -61,15 +68,7 @@ class EngineConfig:
             raise ValueError("max_prefill_tokens must be at least min(prefill_chunk, 16)")
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineEvent:
-    time: float
-    event: str            # submit | admit | first_token | finish | preempt | abort
-    request_id: str
-    kind: str
-
-
-class Engine:
+class Engine(EngineBase):
     """Continuous-batching paged-KV sampler for a ``Qwen3`` model. Use as a context manager or start()/stop()."""
 
     def __init__(self, model: Qwen3, config: EngineConfig = EngineConfig(), tokenizer: Any = None):
@@ -122,12 +121,6 @@ class Engine:
                 seq.future.set_exception(RuntimeError("engine stopped"))
             self._done_one()
 
-    def __enter__(self) -> "Engine":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
     def warmup(self) -> int:
         """Compile every prefill/decode bucket (call before timing; nothing compiles afterwards)."""
         if self._thread is not None and self._thread.is_alive() and self._in_flight:
@@ -135,13 +128,20 @@ class Engine:
         return self.executor.warmup(self.config.max_prefill_tokens)
 
     @property
+    def max_slots(self) -> int:
+        return self.config.max_slots
+
+    @property
+    def record_events(self) -> bool:
+        return self.config.record_events
+
+    @property
     def max_concurrency(self) -> int:
         return self.scheduler.max_concurrency
 
     @max_concurrency.setter
     def max_concurrency(self, value: int) -> None:
-        if not 1 <= value <= self.config.max_slots:
-            raise ValueError(f"max_concurrency must be in [1, max_slots={self.config.max_slots}], got {value}")
+        value = self._check_concurrency(value)
         if self._thread is not None and self._thread.is_alive():
             self._pending_concurrency = value
             self._wake.set()
@@ -167,18 +167,10 @@ class Engine:
                        submitted_at=time.perf_counter(), prompt=[int(t) for t in request.prompt_ids])
         with self._idle:
             self._in_flight += 1
-        self._record("submit", seq, seq.submitted_at)
+        self._record("submit", request, seq.submitted_at)
         self._inbox.put(("submit", seq))
         self._wake.set()
         return future
-
-    async def submit_async(self, request: Request) -> Result:
-        return await asyncio.wrap_future(self.submit(request))
-
-    def generate(self, requests: list[Request]) -> list[Result]:
-        """Submit all and wait for all (a convenience for scripts and tests)."""
-        futures = [self.submit(r) for r in requests]
-        return [f.result() for f in futures]
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its pages; its future gets a result with ``finish_reason='abort'``."""
@@ -244,14 +236,14 @@ class Engine:
     def _step(self) -> None:
         now = time.perf_counter()
         for seq in self.scheduler.admit(now):
-            self._record("admit", seq, now)
+            self._record("admit", seq.request, now)
         chunks = self.scheduler.prefill_chunks()
         if chunks:
             self._run_prefill(chunks)
         decode = self.scheduler.decode_sequences()
         for seq in self.scheduler.preempted:
             self.stats["preemptions"] += 1
-            self._record("preempt", seq, time.perf_counter())
+            self._record("preempt", seq.request, time.perf_counter())
         if decode:
             self._run_decode(decode)
         self.stats["steps"] += 1
@@ -319,7 +311,7 @@ class Engine:
         self.stats["generated_tokens"] += 1
         if seq.first_token_at is None:
             seq.first_token_at = now
-            self._record("first_token", seq, now)
+            self._record("first_token", seq.request, now)
         params = seq.request.params
         n = len(seq.generated)
         if n >= params.min_new_tokens:
@@ -346,14 +338,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq)
         now = time.perf_counter()
-        admitted = seq.admitted_at if seq.admitted_at is not None else now
-        first = seq.first_token_at if seq.first_token_at is not None else now
-        result = Result(request_id=seq.request.request_id, kind=seq.request.kind, prompt_ids=tuple(seq.prompt),
-                        token_ids=list(seq.generated), text=self._text(seq),
-                        logprobs=np.asarray(seq.logprobs, np.float32), finish_reason=reason,
-                        timings=Timings(seq.submitted_at, admitted, first, now),
-                        num_preemptions=seq.num_preemptions)
-        self._record("abort" if reason == "abort" else "finish", seq, now)
+        result = seq.result(reason, now, self._text(seq))
+        self._record("abort" if reason == "abort" else "finish", seq.request, now)
         if not seq.future.done():
             seq.future.set_result(result)
         self._done_one()
@@ -370,6 +356,5 @@ class Engine:
             if self._in_flight == 0:
                 self._idle.notify_all()
 
-    def _record(self, event: str, seq: Sequence, when: float) -> None:
-        if self.config.record_events:
-            self.events.append(EngineEvent(when, event, seq.request.request_id, seq.request.kind))
+
+__all__ = ["Engine", "EngineConfig", "EngineEvent"]

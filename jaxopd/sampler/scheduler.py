@@ -2,7 +2,10 @@
 
 Owns each sequence's lifecycle (waiting → prefill → decode → finished, with preemption back to waiting)
 and decides, step by step, which prompt chunks to prefill and which sequences to decode, under the
-concurrency cap ``max_concurrency`` (b_max) and the page pool. Plain Python: it never touches a device.
+concurrency cap ``max_concurrency`` (b_max) and the page pool. Also owns the scheduling policies
+(``SchedulingPolicy``: a map from a request's open ``kind`` tag, or its ``priority``, to an admission rank)
+and a finished sequence's ``Result``. Plain Python: it never touches a device; the real engine and the
+simulated one (``jaxopd.sampler.simulated``) both drive it.
 """
 from __future__ import annotations
 
@@ -10,13 +13,62 @@ import dataclasses
 import itertools
 import math
 from concurrent.futures import Future
-from typing import Literal
+from typing import Mapping
+
+import numpy as np
 
 from jaxopd.sampler.allocator import OutOfPages, PageAllocator
-from jaxopd.sampler.types import Request
+from jaxopd.sampler.types import FinishReason, Request, Result, Timings
 
-Policy = Literal["fifo", "fast-first", "priority"]
-POLICIES = ("fifo", "fast-first", "priority")
+
+@dataclasses.dataclass(frozen=True)
+class SchedulingPolicy:
+    """Which waiting request is admitted first: the lowest ``rank``, then preempted sequences (as vLLM), then
+    arrival order.
+
+    ``rank`` comes from the request's ``kind`` tag through ``kind_ranks`` (tags not listed get
+    ``default_rank``), or from ``request.priority`` when ``use_priority``. New kinds of request (STI's teacher
+    turns, ActionOPD's candidates) need a policy, never a change to the scheduler. Frozen and hashable.
+    """
+
+    name: str
+    kind_ranks: tuple[tuple[str, int], ...] = ()
+    default_rank: int = 0
+    use_priority: bool = False
+
+    @classmethod
+    def by_kind(cls, name: str, ranks: Mapping[str, int], default_rank: int = 0) -> "SchedulingPolicy":
+        """A policy ranking requests by their ``kind`` tag, e.g. ``by_kind("fast-first", {"fast": 0}, 1)``."""
+        return cls(name, tuple(sorted(ranks.items())), default_rank)
+
+    def rank(self, request: Request) -> int:
+        if self.use_priority:
+            return request.priority
+        return dict(self.kind_ranks).get(request.kind, self.default_rank)
+
+    def order_key(self, seq: "Sequence") -> tuple:
+        return (self.rank(seq.request), seq.num_preemptions == 0, seq.arrival)
+
+
+FIFO = SchedulingPolicy("fifo")
+"""Arrival order, kinds ignored: the paper's engine."""
+FAST_FIRST = SchedulingPolicy.by_kind("fast-first", {"fast": 0}, default_rank=1)
+"""Fast-action requests ahead of everything else waiting (they are on the environment's critical path)."""
+PRIORITY = SchedulingPolicy("priority", use_priority=True)
+"""By ``request.priority`` (lower first)."""
+
+POLICIES: dict[str, SchedulingPolicy] = {p.name: p for p in (FIFO, FAST_FIRST, PRIORITY)}
+Policy = str | SchedulingPolicy
+
+
+def scheduling_policy(policy: Policy) -> SchedulingPolicy:
+    """A ``SchedulingPolicy`` itself, or the named one of ``POLICIES``."""
+    if isinstance(policy, SchedulingPolicy):
+        return policy
+    if policy not in POLICIES:
+        raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {tuple(POLICIES)} "
+                         "or pass a SchedulingPolicy")
+    return POLICIES[policy]
 
 
 @dataclasses.dataclass(eq=False)
@@ -47,6 +99,15 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.generated)
 
+    def result(self, reason: FinishReason, finished_at: float, text: str = "") -> Result:
+        """The ``Result`` of this sequence finishing now; stages it never reached take ``finished_at``."""
+        admitted = self.admitted_at if self.admitted_at is not None else finished_at
+        first = self.first_token_at if self.first_token_at is not None else finished_at
+        return Result(request_id=self.request.request_id, kind=self.request.kind, prompt_ids=tuple(self.prompt),
+                      token_ids=list(self.generated), text=text, logprobs=np.asarray(self.logprobs, np.float32),
+                      finish_reason=reason, timings=Timings(self.submitted_at, admitted, first, finished_at),
+                      num_preemptions=self.num_preemptions)
+
 
 @dataclasses.dataclass
 class PrefillChunk:
@@ -60,11 +121,11 @@ class PrefillChunk:
 
 
 class Scheduler:
+    """Waiting and running sequences, slots and pages; ``policy`` orders admission (a name or a policy)."""
+
     def __init__(self, *, max_slots: int, page_size: int, num_pages: int, policy: Policy,
                  prefill_chunk: int, max_prefill_tokens: int, max_prefill_rows: int):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
-        self.policy = policy
+        self.policy = scheduling_policy(policy)
         self.max_slots = max_slots
         self.max_concurrency = max_slots
         self.page_size = page_size
@@ -82,13 +143,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def _order_key(self, seq: Sequence):
-        if self.policy == "fast-first":
-            return (seq.request.kind != "fast", seq.num_preemptions == 0, seq.arrival)
-        if self.policy == "priority":
-            return (seq.request.priority, seq.num_preemptions == 0, seq.arrival)
-        return (seq.num_preemptions == 0, seq.arrival)   # fifo; preempted sequences go first (as vLLM)
-
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
 
@@ -99,7 +153,7 @@ class Scheduler:
     def admit(self, now: float) -> list[Sequence]:
         """Admit waiting sequences in policy order while a slot, the cap and the pages allow."""
         admitted = []
-        self.waiting.sort(key=self._order_key)
+        self.waiting.sort(key=self.policy.order_key)
         while self.waiting and len(self.running) < self.max_concurrency and self._free_slots:
             seq = self.waiting[0]
             needed = self.pages_for(seq.num_tokens + 1)   # the prompt and the first decoded token

@@ -1,7 +1,9 @@
-"""Request and result types of the sampler: what a caller submits and what comes back.
+"""Request, result and event types of the sampler: what a caller submits, what comes back, what is logged.
 
-Owns validation of a request against an engine's limits (each bad field raises ``ValueError`` naming it);
-plain dataclasses, no JAX.
+Owns validation of a request against an engine's limits (each bad field raises ``ValueError`` naming it).
+A request's ``kind`` is an open tag (``fast``, ``full``, ``teacher``, ``candidate``, ``score``, ...) that
+scheduling policies map to priorities; the sampler attaches no other meaning to it. Plain host-side
+dataclasses.
 """
 from __future__ import annotations
 
@@ -12,7 +14,11 @@ from typing import Literal, Sequence
 
 import numpy as np
 
-RequestKind = Literal["fast", "full"]
+from jaxopd.models.logprobs import ROLLOUT_TEMPERATURE
+
+RequestKind = str
+"""An open tag naming what a request is for (any non-empty string): ActFirst's ``fast`` actions and ``full``
+responses, STI's ``teacher`` turns, ActionOPD's ``candidate`` actions, ``score`` requests, ..."""
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 _request_counter = itertools.count()
@@ -25,12 +31,13 @@ class SamplingParams:
     ``min_new_tokens``: stop tokens and stop strings are ignored until this many tokens exist (the
     speedup benchmark fixes output lengths with ``min_new_tokens == max_new_tokens``).
     ``top_k = 0`` disables top-k; ``top_p = 1`` disables nucleus sampling; ``temperature = 0`` is greedy.
+    ``temperature`` defaults to ``ROLLOUT_TEMPERATURE``, the train step's default too.
     Stop strings are matched on the decoded tail and kept in the output.
     """
 
     max_new_tokens: int
     min_new_tokens: int = 0
-    temperature: float = 1.0
+    temperature: float = ROLLOUT_TEMPERATURE
     top_p: float = 1.0
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
@@ -56,7 +63,8 @@ class SamplingParams:
 
 @dataclasses.dataclass
 class Request:
-    """One generation request. ``priority``: lower is more urgent (vLLM's convention)."""
+    """One generation request. ``kind``: an open tag that scheduling policies may rank (see
+    ``jaxopd.sampler.scheduler.SchedulingPolicy``); ``priority``: lower is more urgent (vLLM's convention)."""
 
     prompt_ids: Sequence[int]
     params: SamplingParams
@@ -70,8 +78,8 @@ class Request:
 
     def validate(self, *, max_seq_len: int, vocab_size: int) -> None:
         """Raise ``ValueError`` naming the first bad field."""
-        if self.kind not in ("fast", "full"):
-            raise ValueError(f"kind must be 'fast' or 'full', got {self.kind!r}")
+        if not isinstance(self.kind, str) or not self.kind:
+            raise ValueError(f"kind must be a non-empty string tag (fast, full, teacher, ...), got {self.kind!r}")
         n = len(self.prompt_ids)
         if n == 0:
             raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
@@ -127,3 +135,13 @@ class Result:
     timings: Timings
     num_preemptions: int = 0
     error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineEvent:
+    """One entry of an engine's event log (``record_events``), in the engine's clock."""
+
+    time: float
+    event: str            # submit | admit | first_token | finish | preempt | abort
+    request_id: str
+    kind: RequestKind

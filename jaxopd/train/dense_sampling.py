@@ -1,7 +1,8 @@
 """Reference on-policy sampling without a KV cache, for tests and tiny models.
 
 Owns one jitted loop that appends sampled tokens to fixed-length sequences, re-running the dense forward
-over the whole sequence at every step, and returns the tokens with their sampling log-probabilities.
+over the whole sequence at every step, and returns the tokens with their sampling log-probabilities
+(``jaxopd.models.logprobs.tempered_log_softmax``, as the paged sampler and the train step).
 The paged sampler (``jaxopd.sampler``) serves real runs.
 """
 from __future__ import annotations
@@ -12,10 +13,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxopd.models.logprobs import ROLLOUT_TEMPERATURE, tempered_log_softmax
+
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_new_tokens", "temperature"))
 def sample_dense(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, key: jax.Array, *,
-                 num_new_tokens: int, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+                 num_new_tokens: int, temperature: float = ROLLOUT_TEMPERATURE) -> tuple[jax.Array, jax.Array]:
     """Samples ``num_new_tokens`` tokens after each prompt at ``temperature`` (full softmax, no top-k/p).
 
     ``prompts``: ``[B, P]`` int, no padding. Returns ``(tokens [B, P + N], logp [B, P + N])`` where
@@ -37,7 +40,7 @@ def sample_dense(graphdef: nnx.GraphDef, params: nnx.State, prompts: jax.Array, 
         current = prompt_length + i
         attention_mask = positions < current
         logits = model(tokens, positions, attention_mask)[:, current - 1]
-        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+        log_probs = tempered_log_softmax(logits, temperature)
         new = jax.random.categorical(jax.random.fold_in(key, i), log_probs, axis=-1).astype(jnp.int32)
         tokens = tokens.at[:, current].set(new)
         logp = logp.at[:, current].set(jnp.take_along_axis(log_probs, new[:, None], axis=-1)[:, 0])

@@ -18,7 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxopd import losses
-from jaxopd.models.qwen3 import Qwen3, dense_causal_attend, token_log_probs
+from jaxopd.models.logprobs import ROLLOUT_TEMPERATURE, effective_temperature, token_log_probs
+from jaxopd.models.qwen3 import Qwen3, dense_causal_attend
 from jaxopd.models.sharding import DATA_AXIS, DEFAULT_RULES, ShardingRules, copy_to, named_shardings
 from jaxopd.train.buffer import TrainBatch
 
@@ -80,7 +81,10 @@ class LossConfig:
 
     ``aggregation=None`` takes the method's own (ActFirst-OPD seq-mean-token-mean; STI-OPD and ActionOPD
     token-mean; ActionOPD's is fixed). ``temperature`` divides the student logits before the log-softmax
-    and must equal the rollout sampling temperature. ``logits_chunk_size`` computes the vocabulary
+    (``jaxopd.models.logprobs.tempered_log_softmax``, the function the sampler reports behaviour
+    log-probabilities with); it is the rollout's sampling temperature by construction when the config is built
+    with ``LossConfig.for_rollout(sampling_params, ...)``, and defaults to ``ROLLOUT_TEMPERATURE``, the
+    default of ``SamplingParams.temperature``. ``logits_chunk_size`` computes the vocabulary
     projection in chunks of that many positions, rematerialised in the backward pass, so that
     ``[B, T, V]`` logits never exist at once (None: in one piece).
     """
@@ -90,7 +94,7 @@ class LossConfig:
     dual_clip: float | None = 3.0
     aggregation: str | None = None
     kl_coef: float = 1.0
-    temperature: float = 1.0
+    temperature: float = ROLLOUT_TEMPERATURE
     logits_chunk_size: int | None = None
 
     def __post_init__(self):
@@ -105,6 +109,25 @@ class LossConfig:
             raise ValueError(f"LossConfig.temperature must be > 0, got {self.temperature}")
         if self.logits_chunk_size is not None and self.logits_chunk_size < 1:
             raise ValueError(f"LossConfig.logits_chunk_size must be positive or None, got {self.logits_chunk_size}")
+
+    @classmethod
+    def for_rollout(cls, *sampling: Any, **fields: Any) -> "LossConfig":
+        """The config whose learner log-probabilities are taken at the rollouts' own temperature.
+
+        ``sampling``: the ``SamplingParams`` (anything with a ``temperature``) of every kind of request whose
+        tokens are trained on (e.g. ActFirst's fast and full requests); they must agree. Greedy rollouts
+        (temperature 0) report plain log-softmax log-probabilities, so they train at temperature 1.
+        ``fields``: the other ``LossConfig`` fields (not ``temperature``).
+        """
+        if not sampling:
+            raise TypeError("LossConfig.for_rollout needs the rollout's sampling params")
+        if "temperature" in fields:
+            raise TypeError("LossConfig.for_rollout takes the temperature from the rollout's sampling params")
+        temperatures = {effective_temperature(float(params.temperature)) for params in sampling}
+        if len(temperatures) != 1:
+            raise ValueError(f"rollout requests sample at different temperatures {sorted(temperatures)}; "
+                             "one train step has one temperature")
+        return cls(temperature=temperatures.pop(), **fields)
 
     @property
     def resolved_aggregation(self) -> str:
@@ -192,7 +215,7 @@ def place_batch(batch: TrainBatch, shardings: TrainBatch) -> TrainBatch:
 # Log-probabilities and losses
 # ----------------------------------------------------------------------------------------------------------
 def sequence_log_probs(model: Qwen3, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
-                       temperature: float = 1.0, logits_chunk_size: int | None = None) -> jax.Array:
+                       temperature: float = ROLLOUT_TEMPERATURE, logits_chunk_size: int | None = None) -> jax.Array:
     """``[B, T]`` log-probability of each token given the tokens before it; position 0 (no context) is 0.
 
     With ``logits_chunk_size`` the vocabulary projection and log-softmax run over that many positions
@@ -297,7 +320,7 @@ class TeacherScorer:
 
 
 def make_teacher_scorer(graphdef: nnx.GraphDef, param_shardings: nnx.State, mesh: Mesh, *,
-                        temperature: float = 1.0, logits_chunk_size: int | None = None,
+                        temperature: float = ROLLOUT_TEMPERATURE, logits_chunk_size: int | None = None,
                         data_axis: str = DATA_AXIS) -> TeacherScorer:
     """The teacher's scorer on ``mesh`` with the teacher's parameter shardings (see :class:`TeacherScorer`)."""
     rows = NamedSharding(mesh, PartitionSpec(data_axis))

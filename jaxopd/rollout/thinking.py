@@ -1,9 +1,9 @@
-"""Thinking-budget decoding (ActFirst-OPD App. B.3, after Qwen3's thinking-budget recipe).
+"""Thinking-budget decoding of full responses (ActFirst-OPD App. B.3, after Qwen3's thinking-budget recipe).
 
-Owns the two-request protocol: a first request with a token budget; if it is cut off before the action
-starts, an early-stop text is inserted (closing ``</think>`` only when reasoning is still open) and a
-second request continues with at most the remaining budget. The result marks inserted tokens as not
-model-generated, so they stay in the context but out of the loss and its normalisation.
+Owns the two-request protocol and its early-stop text: a first request with a token budget; if it is cut
+off before the action starts, the early-stop text is inserted (closing ``</think>`` only when reasoning is
+still open) and a second request continues with at most the remaining budget. The result marks inserted
+tokens as not model-generated, so they stay in the context but out of the loss and its normalisation.
 """
 from __future__ import annotations
 
@@ -13,18 +13,25 @@ from typing import Callable
 
 import numpy as np
 
+from jaxopd.rollout.tags import ACTION_END, ACTION_START, THINK_END
 from jaxopd.sampler.types import Request, Result, SamplingParams
 
-THINK_END = "</think>"
-ACTION_START = "<action>"
-ACTION_END = "</action>"
+EARLY_STOP_SENTENCE = ("Considering the limited time by the user, I have to give the action based on the thinking "
+                       "directly now.")
+"""The early-stop instruction of App. B.3, "adapted to the action format" from Qwen3's thinking-budget text
+("Considering the limited time by the user, I have to give the solution based on the thinking directly
+now.", Qwen3 technical report §4.3 and Qwen's quickstart, which B.3 cites): "solution" becomes "action".
+The paper's own box did not survive its text extraction (papers/actfirst-opd.txt, App. B.3), so this is
+the one substitution its sentence names, nothing more."""
 
 
-def default_early_stop_text(reasoning_ended: bool) -> str:
-    """Qwen3's early-stop sentence adapted to the ``<action>`` format; omits ``</think>`` once reasoning ended."""
-    sentence = ("\n\nConsidering the limited time, I have to give the action based on the thinking directly "
-                "now.\n")
-    return sentence + ("\n" if reasoning_ended else THINK_END + "\n\n")
+def early_stop_text(reasoning_ended: bool) -> str:
+    """What is inserted when a full response hits its first-stage budget before its action started.
+
+    Qwen's layout: ``"\\n\\n" + sentence + "\\n</think>\\n\\n"``; App. B.3: "If reasoning has already ended, the
+    inserted text omits </think>" (and when the action has already started, nothing is inserted).
+    """
+    return f"\n\n{EARLY_STOP_SENTENCE}\n" + ("\n" if reasoning_ended else f"{THINK_END}\n\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +78,7 @@ def _insertion(text: str, early_stop_text: Callable[[bool], str]) -> str:
 
 def submit_budgeted(engine, tokenizer, prompt_ids: list[int], params: SamplingParams,
                     budget: ThinkingBudget = ThinkingBudget(), *, kind: str = "full", priority: int = 0,
-                    early_stop_text: Callable[[bool], str] = default_early_stop_text) -> Future:
+                    early_stop_text: Callable[[bool], str] = early_stop_text) -> Future:
     """Run budgeted decoding on ``engine`` without blocking; returns ``Future[BudgetedResponse]``.
 
     ``params.max_new_tokens`` is ignored (the budget sets it); stop conditions and sampling settings apply
