@@ -6,6 +6,11 @@ Each measurement is repeated and the median reported; the engine is warmed up (c
 transformers gets one untimed warm-up call. Prints a markdown table and writes JSON.
 
     python bench/sampler_throughput.py --out results/bench/sampler_throughput.json
+
+On a GPU (no transformers side): ``--model qwen3-1.7b --random-init --dtype bfloat16 --skip-transformers
+--backend pallas-gpu reference`` times each attention backend, and reports each decode step against the
+memory roofline ``(weight bytes + KV bytes read) / --bandwidth`` (H200: 4.8 TB/s) with the device-idle share of
+the decode steps (timestamps around dispatch and readiness, ``bench.engine_overhead.StepClock``).
 """
 from __future__ import annotations
 
@@ -21,6 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+if __package__ in (None, ""):   # run as a script (python bench/NAME.py): make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -31,13 +39,22 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch intra-op threads")
     p.add_argument("--model", default="tiny", help="jaxopd preset name for the architecture")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--random-init", action="store_true",
+                   help="build the jaxopd model at random (no transformers checkpoint; implies --skip-transformers)")
+    p.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    p.add_argument("--backend", nargs="+", default=None,
+                   help="attention backends to time (default: the platform's, kernels.default_backend_name())")
+    p.add_argument("--bandwidth", type=float, default=4.8e12, help="memory bandwidth in bytes/s for the roofline")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="compile only the shapes used (one untimed run per batch) instead of every bucket")
     p.add_argument("--out", default="results/bench/sampler_throughput.json")
     return p.parse_args(argv)
 
 
 def make_checkpoint(preset: str, folder: Path):
     import torch
-    from transformers import Qwen3Config as HFConfig, Qwen3ForCausalLM
+    from transformers import Qwen3Config as HFConfig
+    from transformers import Qwen3ForCausalLM
 
     from jaxopd.models.qwen3 import Qwen3Config
 
@@ -81,60 +98,126 @@ def bench_engine(engine, batch, prompts, new_tokens, repeats):
     return times
 
 
+def roofline_seconds(cfg, weight_bytes: int, batch: int, context: float, bandwidth: float) -> float:
+    """Bytes one decode step must read (all weights once, K and V of every row's context) over the bandwidth."""
+    kv_bytes = batch * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * context * np.dtype(cfg.dtype).itemsize
+    return (weight_bytes + kv_bytes) / bandwidth
+
+
+def decode_step_stats(records, batch_rows: int) -> dict:
+    """Median device time and idle share of the decode steps that ran with ``batch_rows`` padded rows."""
+    rows = np.asarray([r for r in records if r[3] == batch_rows])
+    if len(rows) < 3:
+        return {"decode_step_s": float("nan"), "decode_idle_share": float("nan")}
+    start, end, ready = rows[:, 0], rows[:, 1], rows[:, 2]
+    prev_ready = np.concatenate([[end[0]], ready[:-1]])
+    device = ready - np.maximum(end, prev_ready)
+    return {"decode_step_s": float(np.median(device[1:])),
+            "decode_wall_s": float(np.median(np.diff(start))),
+            "decode_idle_share": float(1.0 - device[1:].sum() / (ready[-1] - ready[0]))}
+
+
 def main(argv=None):
     args = parse_args(argv)
     import jax
-    import torch
+    from flax import nnx
 
-    from jaxopd.models.weights import load_qwen3
+    import kernels
+    from bench.engine_overhead import StepClock
+    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
     from jaxopd.sampler import Engine, EngineConfig
+    from jaxopd.sampler import executor as executor_module
+    from jaxopd.sampler.buckets import bucket
 
-    torch.set_num_threads(args.threads)
+    skip_hf = args.skip_transformers or args.random_init
+    torch = None
+    if not skip_hf:
+        import torch
+        torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = make_checkpoint(args.model, Path(tmp))
-        model = load_qwen3(tmp, dtype="float32" if jax.default_backend() == "cpu" else None)
-    vocab = model.config.vocab_size
+    hf = None
+    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else None)
+    if args.random_init:
+        model = Qwen3(Qwen3Config.preset(args.model, dtype=dtype), rngs=nnx.Rngs(0))
+    else:
+        from jaxopd.models.weights import load_qwen3
+        with tempfile.TemporaryDirectory() as tmp:
+            hf = make_checkpoint(args.model, Path(tmp))
+            model = load_qwen3(tmp, dtype=dtype)
+    cfg = model.config
+    weight_bytes = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model))))
+    vocab = cfg.vocab_size
     prompts = rng.integers(0, vocab, size=(max(args.batches), args.prompt_len)).tolist()
     max_batch = max(args.batches)
     seq = args.prompt_len + args.new_tokens
-    config = EngineConfig(max_slots=max_batch, page_size=16, num_pages=max_batch * (seq // 16 + 2) + 1,
-                          max_seq_len=seq, prefill_chunk=min(512, 1 << (args.prompt_len - 1).bit_length()),
-                          max_prefill_tokens=4096, eos_token_ids=())
+    backends = args.backend or [kernels.default_backend_name()]
     rows = []
-    with Engine(model, config) as engine:
-        t0 = time.perf_counter()
-        compiled = engine.warmup()
-        warmup_s = time.perf_counter() - t0
-        for batch in args.batches:
-            # interleave the two systems per batch size so both see the same machine state
-            engine_times = bench_engine(engine, batch, prompts, args.new_tokens, args.repeats)
-            hf_times = ([] if args.skip_transformers else
-                        bench_transformers(hf, batch, prompts, args.new_tokens, args.repeats))
-            tokens = batch * args.new_tokens
-            e_tps = tokens / statistics.median(engine_times)
-            h_tps = tokens / statistics.median(hf_times) if hf_times else float("nan")
-            rows.append({"batch": batch, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
-                         "jaxopd_tokens_per_s": e_tps, "transformers_tokens_per_s": h_tps,
-                         "ratio": e_tps / h_tps if hf_times else None,
-                         "jaxopd_times_s": engine_times, "transformers_times_s": hf_times})
-            print(f"batch {batch:>3}: jaxopd {e_tps:8.1f} tok/s   transformers {h_tps:8.1f} tok/s   "
-                  f"ratio {e_tps / h_tps if hf_times else float('nan'):.2f}x", flush=True)
-        stats = dict(engine.stats)
+    stats = {}
+    compiled = {}
+    warmup_s = {}
+    with StepClock(executor_module) as clock:
+        for backend in backends:
+            config = EngineConfig(max_slots=max_batch, page_size=16, num_pages=max_batch * (seq // 16 + 2) + 1,
+                                  max_seq_len=seq, prefill_chunk=min(512, 1 << (args.prompt_len - 1).bit_length()),
+                                  max_prefill_tokens=4096, eos_token_ids=(), attention_backend=backend)
+            with Engine(model, config) as engine:
+                t0 = time.perf_counter()
+                compiled[backend] = None if args.no_warmup else engine.warmup()
+                warmup_s[backend] = time.perf_counter() - t0
+                for batch in args.batches:
+                    if args.no_warmup:
+                        bench_engine(engine, batch, prompts, args.new_tokens, 1)    # compiles this size's shapes
+                    clock.reset()
+                    # interleave the two systems per batch size so both see the same machine state
+                    engine_times = bench_engine(engine, batch, prompts, args.new_tokens, args.repeats)
+                    clock.wait()
+                    step = decode_step_stats(clock.records, bucket(batch, engine.buckets.decode_rows))
+                    hf_times = ([] if skip_hf else
+                                bench_transformers(hf, batch, prompts, args.new_tokens, args.repeats))
+                    tokens = batch * args.new_tokens
+                    e_tps = tokens / statistics.median(engine_times)
+                    h_tps = tokens / statistics.median(hf_times) if hf_times else float("nan")
+                    roof = roofline_seconds(cfg, weight_bytes, batch, args.prompt_len + args.new_tokens / 2,
+                                            args.bandwidth)
+                    rows.append({"backend": backend, "batch": batch, "new_tokens": args.new_tokens,
+                                 "prompt_len": args.prompt_len, "jaxopd_tokens_per_s": e_tps,
+                                 "transformers_tokens_per_s": h_tps, "ratio": e_tps / h_tps if hf_times else None,
+                                 **step, "roofline_s": roof,
+                                 "step_over_roofline": step["decode_step_s"] / roof,
+                                 "jaxopd_times_s": engine_times, "transformers_times_s": hf_times})
+                    print(f"{backend} batch {batch:>3}: jaxopd {e_tps:8.1f} tok/s   transformers {h_tps:8.1f} tok/s"
+                          f"   ratio {e_tps / h_tps if hf_times else float('nan'):.2f}x   decode step "
+                          f"{1e3 * step['decode_step_s']:.3f} ms = {step['decode_step_s'] / roof:.2f}x roofline, "
+                          f"idle {100 * step['decode_idle_share']:.1f}%", flush=True)
+                    write_results(args, rows, cfg, model, weight_bytes, torch, warmup_s, compiled, stats,
+                                  quiet=True)    # partial results survive a time limit
+                stats[backend] = dict(engine.stats)
     print()
-    print(f"| batch | jaxopd tok/s | transformers tok/s | ratio |")
-    print(f"|---|---|---|---|")
+    print("| backend | batch | jaxopd tok/s | transformers tok/s | ratio | decode step ms | x roofline | device idle |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['jaxopd_tokens_per_s']:.1f} | {r['transformers_tokens_per_s']:.1f} | "
-              f"{(r['ratio'] or float('nan')):.2f}x |")
-    out = {"rows": rows, "model": args.model, "params": int(sum(np.prod(p.shape) for p in hf.parameters())),
-           "backend": jax.default_backend(), "jax": jax.__version__, "torch": torch.__version__,
-           "torch_threads": args.threads, "machine": platform.platform(), "cpus": os.cpu_count(),
+        print(f"| {r['backend']} | {r['batch']} | {r['jaxopd_tokens_per_s']:.1f} | "
+              f"{r['transformers_tokens_per_s']:.1f} | {(r['ratio'] or float('nan')):.2f}x | "
+              f"{1e3 * r['decode_step_s']:.3f} | {r['step_over_roofline']:.2f} | "
+              f"{100 * r['decode_idle_share']:.1f}% |")
+    return write_results(args, rows, cfg, model, weight_bytes, torch, warmup_s, compiled, stats)
+
+
+def write_results(args, rows, cfg, model, weight_bytes, torch, warmup_s, compiled, stats, quiet=False):
+    import jax
+    from flax import nnx
+
+    out = {"rows": rows, "model": args.model, "dtype": cfg.dtype, "weight_bytes": weight_bytes,
+           "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model)))),
+           "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
+           "torch": getattr(torch, "__version__", None), "torch_threads": args.threads,
+           "machine": platform.platform(), "cpus": os.cpu_count(), "bandwidth": args.bandwidth,
            "engine_warmup_s": warmup_s, "compiled_variants": compiled, "engine_stats": stats,
            "command": " ".join([sys.executable.split("/")[-1]] + sys.argv)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {args.out}")
+    if not quiet:
+        print(f"\nwrote {args.out}")
     return out
 
 

@@ -1,183 +1,45 @@
 """ALFWorld on its real text engine (TextWorld's PDDL environment with alfworld's name demangler).
 
-Owns the engine session (``AlfredEngine``), game discovery in an ALFWorld ``json_2.1.1`` tree (the
-official release under ``$ALFWORLD_DATA`` or one written by ``envs.alfworld_gen``) and ``AlfWorldEnv``,
-the ``TextEnv`` that plays those games.
+Owns game discovery in an ALFWorld ``json_2.1.1`` tree (the official release under ``$ALFWORLD_DATA`` or
+one written by ``envs.alfworld_gen``) and ``AlfWorldEnv``, the ``TextEnv`` that plays those games. The
+engine session and the tree's names live in ``envs.alfworld_engine`` (re-exported here); importing this
+module needs only the standard library.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
-import hashlib
 import json
 import os
 import re
-import sys
-import threading
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-from envs.base import EnvError, Observation, Task, TextEnv
+from envs.alfworld_engine import (
+    ALFWORLD_SPLITS,
+    BENCHMARK,
+    DATA_SUBDIR,
+    ENGINE_LOCK,
+    GAME_FILE,
+    INDEX_FILE,
+    TASK_TYPES,
+    TRAJ_FILE,
+    AlfredEngine,
+    admissible_actions,
+)
+from envs.base import EnvError, Observation, Task, TextEnv, require_int
 from envs.checks import normalize_action
 
-BENCHMARK = "alfworld"
-TASK_TYPES = (
-    "pick_and_place_simple",
-    "look_at_obj_in_light",
-    "pick_clean_then_place_in_recep",
-    "pick_heat_then_place_in_recep",
-    "pick_cool_then_place_in_recep",
-    "pick_two_obj_and_place",
-)
-ALFWORLD_SPLITS = ("train", "valid_seen", "valid_unseen")
-GAME_FILE = "game.tw-pddl"
-TRAJ_FILE = "traj_data.json"
-INDEX_FILE = "index.json"          # written by envs.alfworld_gen; lists the games of a generated tree
-DATA_SUBDIR = "json_2.1.1"         # the official release keeps its splits under this folder
+__all__ = ["BENCHMARK", "TASK_TYPES", "ALFWORLD_SPLITS", "GAME_FILE", "TRAJ_FILE", "INDEX_FILE", "DATA_SUBDIR",
+           "AlfredEngine", "admissible_actions", "NoGamesError", "GameRecord", "AlfWorldEnv", "split_intro",
+           "data_dir_of", "discover_games", "official_data_root", "read_walkthrough"]
 
 _BANNER = "-= Welcome to TextWorld, ALFRED! =-"
 _TASK_LINE = re.compile(r"^\s*(Your task is to:.*?)\s*$", re.MULTILINE)
 _INVALID_FEEDBACK = "Nothing happens."
-_EXCLUDED_COMMANDS = frozenset({"help"})
-
-# fast_downward.pddl2sas (run twice by PddlEnv.load and twice again by PddlEnv.reset) swaps sys.stdout,
-# overwrites sys.argv and flips module-level translator options between its passes: two threads translating
-# at once corrupt each other. It is also a pure function of its text inputs and the costliest part of a
-# reset (about 1 s per pass for a kitchen). ``_install_translation_cache`` replaces it, process-wide, with a
-# serialised and memoised version, so resetting a loaded game translates nothing.
-_TRANSLATION_LOCK = threading.Lock()
-# TextWorld's PDDL engine is not thread-safe either: the PDDL-logic and text-grammar parsers are
-# module-level tatsu parser objects with internal state, used by load and by every step (each admissible
-# command and feedback is derived through the grammar), and concurrent loading of libdownward copies
-# crashed the process here. Every engine call therefore holds this lock. It costs little: the engine's work
-# is pure Python (tatsu parsing, deepcopy), so threads could not overlap it under the GIL anyway; run
-# ALFWorld engines in separate processes for parallel speed.
-_ENGINE_LOCK = threading.RLock()
-TRANSLATION_CACHE_SIZE = 32          # (problem, pass) entries; a kitchen game holds about 3.5 MB
-_translations: "collections.OrderedDict[tuple[str, bool], Any]" = collections.OrderedDict()
-
-
-def _install_translation_cache() -> None:
-    import fast_downward
-
-    if getattr(fast_downward.pddl2sas, "_jaxopd_cached", False):
-        return
-    original = fast_downward.pddl2sas
-
-    def pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
-        key = (hashlib.sha256(f"{domain}\0{problem}".encode()).hexdigest(), bool(optimize))
-        with _TRANSLATION_LOCK:
-            if key in _translations:
-                _translations.move_to_end(key)
-                return _translations[key]
-            saved_argv, saved_stdout = list(sys.argv), sys.stdout
-            try:
-                result = original(domain, problem, verbose=verbose, optimize=optimize)
-            finally:
-                sys.argv[:] = saved_argv
-                sys.stdout = saved_stdout
-            _translations[key] = result
-            while len(_translations) > TRANSLATION_CACHE_SIZE:
-                _translations.popitem(last=False)
-            return result
-
-    pddl2sas._jaxopd_cached = True
-    fast_downward.pddl2sas = pddl2sas
 
 
 class NoGamesError(ValueError):
     """No playable ALFWorld game was found where one was asked for."""
-
-
-class AlfredEngine:
-    """One TextWorld PDDL game session with ALFWorld's demangled object names ("cabinet 3").
-
-    One thread drives one engine. Engines in different threads are safe but take turns (see
-    ``_ENGINE_LOCK``); PDDL translation is memoised process-wide. Engine failures surface as ``EnvError``.
-    """
-
-    def __init__(self, *, expert_plan: bool = False) -> None:
-        try:
-            import textworld
-            from textworld.envs import PddlEnv
-            from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
-        except ImportError as exc:  # pragma: no cover - depends on the installation
-            raise ImportError("ALFWorld needs `pip install alfworld==0.4.2 textworld==1.7.0`") from exc
-        self._infos = textworld.EnvInfos(won=True, admissible_commands=True, policy_commands=expert_plan,
-                                         extras=["gamefile"])
-        try:
-            with _ENGINE_LOCK:
-                self._pddl_env = PddlEnv(self._infos)
-        except Exception as exc:
-            raise EnvError(f"cannot start the TextWorld PDDL engine: {exc!r}") from exc
-        self._env = AlfredInfos(AlfredDemangler(self._pddl_env, shuffle=False))
-        _install_translation_cache()
-        self._closed = False
-
-    @property
-    def expert_plan(self) -> bool:
-        return bool(self._infos.policy_commands)
-
-    @expert_plan.setter
-    def expert_plan(self, value: bool) -> None:
-        """Whether ``policy_commands`` (the planner's plan from the current state) is computed each step."""
-        self._infos.policy_commands = bool(value)
-
-    def load(self, game: str | os.PathLike | Mapping[str, Any]) -> None:
-        """Load a game file path, or the decoded JSON of one (keys pddl_domain, grammar, pddl_problem)."""
-        self._check_open()
-        source = os.fspath(game) if isinstance(game, (str, os.PathLike)) else dict(game)
-        try:
-            with _ENGINE_LOCK:
-                self._env.load(source)
-        except Exception as exc:
-            raise EnvError(f"cannot load ALFWorld game {_describe(game)}: {exc!r}") from exc
-
-    def reset(self):
-        self._check_open()
-        try:
-            with _ENGINE_LOCK:
-                return self._env.reset()
-        except Exception as exc:
-            raise EnvError(f"ALFWorld reset failed: {exc!r}") from exc
-
-    def step(self, command: str):
-        """Returns (game_state, score, done) as TextWorld does."""
-        self._check_open()
-        try:
-            with _ENGINE_LOCK:
-                return self._env.step(command)
-        except Exception as exc:
-            raise EnvError(f"ALFWorld step {command!r} failed: {exc!r}") from exc
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        lib = getattr(self._pddl_env, "downward_lib", None)
-        if lib is not None:
-            # Free the engine's task state but never dlclose its copy of libdownward.so: the copies share
-            # C++ static registries, and unloading one leaves destructors that crash the interpreter at exit
-            # (SIGSEGV in options::RawRegistry::~RawRegistry). A closed engine keeps a few MB mapped.
-            try:
-                with _ENGINE_LOCK:
-                    lib.cleanup()
-            except Exception:  # noqa: BLE001 - best effort on shutdown
-                pass
-            self._pddl_env.downward_lib = None
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EnvError("the ALFWorld engine is closed")
-
-
-def _describe(game: Any) -> str:
-    return repr(os.fspath(game)) if isinstance(game, (str, os.PathLike)) else "<in-memory game>"
-
-
-def admissible_actions(game_state: Mapping[str, Any]) -> tuple[str, ...]:
-    """The engine's admissible commands, sorted, without ``help``."""
-    return tuple(c for c in game_state["admissible_commands"] if c not in _EXCLUDED_COMMANDS)
 
 
 def split_intro(feedback: str) -> tuple[str, str]:
@@ -294,17 +156,21 @@ class AlfWorldEnv(TextEnv):
     """
 
     benchmark = BENCHMARK
+    # TextWorld's engine holds one process-wide lock (``ENGINE_LOCK``) in every call: instances in threads
+    # take turns, so ``EnvPool`` runs ALFWorld in worker processes unless told otherwise.
+    pool_backend = "process"
+    call_lock = ENGINE_LOCK
 
     def __init__(self, game_root: str | os.PathLike | None = None, *, expert_plan: bool = False,
                  max_turns: int | None = None, generator_seed: int = 0) -> None:
-        if max_turns is not None and max_turns <= 0:
-            raise ValueError(f"max_turns must be positive or None, got {max_turns}")
+        if max_turns is not None:
+            max_turns = require_int(max_turns, "max_turns", minimum=1)
         if game_root is None:
             official = official_data_root()
             if official is not None:
                 game_root, self.source = official, "official"
             else:
-                from envs import alfworld_gen  # the generator plays games through this module's engine
+                from envs import alfworld_gen  # lazy: generation needs numpy and the alfworld data
                 game_root, self.source = alfworld_gen.ensure_games(seed=generator_seed), "generated"
         else:
             game_root = Path(game_root).expanduser()
@@ -324,6 +190,7 @@ class AlfWorldEnv(TextEnv):
         self._expert_plan: tuple[str, ...] = ()
         self._done = True
         self._won = False
+        self._reset_failed = False
         self._closed = False
 
     # -- tasks
@@ -362,13 +229,16 @@ class AlfWorldEnv(TextEnv):
     def reset(self, task: Task) -> Observation:
         self._check_open()
         game_file = self._game_file(task)
+        # The previous episode ends here, whether or not this reset succeeds: a failed load or reset must
+        # not leave the old game playable under the new task's name.
+        self._task, self._done, self._won, self._reset_failed = None, True, False, True
         if self._loaded_game != game_file:
             self._loaded_game = None
             self._engine.load(game_file)
             self._loaded_game = game_file
         state = self._engine.reset()
         text, self._instruction = split_intro(state["feedback"])
-        self._task, self._turn, self._won = task, 0, bool(state["won"])
+        self._task, self._turn, self._won, self._reset_failed = task, 0, bool(state["won"]), False
         self._done = self._won
         self._set_admissible(state)
         return self._observation(text, state, reward=0.0, valid=True, raw=state["feedback"])
@@ -376,6 +246,8 @@ class AlfWorldEnv(TextEnv):
     def step(self, action: str) -> Observation:
         self._check_open()
         if self._task is None:
+            if self._reset_failed:
+                raise ValueError("step() called after a failed reset(); reset() again first")
             raise ValueError("step() called before reset()")
         if self._done:
             raise ValueError(f"episode of {self._task.task_id} is over; call reset()")

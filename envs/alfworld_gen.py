@@ -45,8 +45,17 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from envs.alfworld import (ALFWORLD_SPLITS, DATA_SUBDIR, GAME_FILE, INDEX_FILE, TASK_TYPES, TRAJ_FILE,
-                           AlfredEngine, EnvError, admissible_actions)
+from envs.alfworld_engine import (
+    ALFWORLD_SPLITS,
+    DATA_SUBDIR,
+    GAME_FILE,
+    INDEX_FILE,
+    TASK_TYPES,
+    TRAJ_FILE,
+    AlfredEngine,
+    admissible_actions,
+)
+from envs.base import EnvError, require_int
 
 logger = logging.getLogger(__name__)
 
@@ -605,6 +614,23 @@ class _Sampler:
                            f"in {MAX_ATTEMPTS} attempts")
 
 
+def check_counts(counts: Mapping[str, int] | None) -> dict[str, int]:
+    """``counts`` (split -> number of games; None: the defaults) checked: known splits, non-negative ints
+    (``True`` is not 1 game), not all zero."""
+    if counts is None:
+        return dict(DEFAULT_COUNTS)
+    if not isinstance(counts, Mapping):
+        raise ValueError(f"counts must map split -> number of games, got {type(counts).__name__}")
+    checked = {}
+    for split, n in counts.items():
+        if split not in ALFWORLD_SPLITS:
+            raise ValueError(f"unknown ALFWorld split {split!r}; expected one of {ALFWORLD_SPLITS}")
+        checked[split] = require_int(n, f"number of {split} games", minimum=0)
+    if sum(checked.values()) == 0:
+        raise ValueError("asked to generate zero ALFWorld games")
+    return checked
+
+
 def generate_games(out_dir: str | os.PathLike, *, seed: int = 0, counts: Mapping[str, int] | None = None,
                    workers: int | None = None, max_walkthrough: int = DEFAULT_MAX_WALKTHROUGH,
                    progress: bool = True) -> list[GeneratedGame]:
@@ -616,16 +642,8 @@ def generate_games(out_dir: str | os.PathLike, *, seed: int = 0, counts: Mapping
     Writes into a temporary sibling folder and renames it to ``out_dir`` when complete (which must not
     exist yet), so a partial tree is never mistaken for a cache.
     """
-    counts = dict(DEFAULT_COUNTS if counts is None else counts)
-    for split, n in counts.items():
-        if split not in ALFWORLD_SPLITS:
-            raise ValueError(f"unknown ALFWorld split {split!r}; expected one of {ALFWORLD_SPLITS}")
-        if not isinstance(n, int) or n < 0:
-            raise ValueError(f"number of {split} games must be a non-negative int, got {n!r}")
-    if sum(counts.values()) == 0:
-        raise ValueError("asked to generate zero ALFWorld games")
-    if max_walkthrough <= 0:
-        raise ValueError(f"max_walkthrough must be positive, got {max_walkthrough}")
+    counts = check_counts(counts)
+    max_walkthrough = require_int(max_walkthrough, "max_walkthrough", minimum=1)
     out_dir = Path(out_dir).expanduser()
     if out_dir.exists():
         raise ValueError(f"output folder {str(out_dir)!r} already exists")
@@ -777,7 +795,8 @@ def ensure_games(cache_dir: str | os.PathLike | None = None, *, seed: int = 0,
                  counts: Mapping[str, int] | None = None, workers: int | None = None,
                  max_walkthrough: int = DEFAULT_MAX_WALKTHROUGH, progress: bool = True) -> Path:
     """The root of a generated game tree for this configuration, generating it on first use."""
-    counts = dict(DEFAULT_COUNTS if counts is None else counts)
+    counts = check_counts(counts)
+    max_walkthrough = require_int(max_walkthrough, "max_walkthrough", minimum=1)
     root = cache_base(cache_dir) / version_hash(seed=seed, counts=counts, max_walkthrough=max_walkthrough)
     if not (root / INDEX_FILE).is_file():
         if root.exists():   # an interrupted run cannot leave this (writes are renamed into place)

@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from envs.base import EnvError, Observation, Task, TextEnv
+from envs.base import EnvError, Observation, Task, TextEnv, require_bool, require_int
 from envs.checks import normalize_action
 
 REFERENCE_FORMAT_VERSION = 1
@@ -49,9 +49,24 @@ class ReferenceObservation:
     admissible_actions: tuple[str, ...] = ()
     action_templates: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        # A cache file is JSON written by anyone: "done": "False" must not read as a finished episode.
+        if not isinstance(self.text, str):
+            raise ValueError(f"reference observation text must be a str, got {type(self.text).__name__}")
+        for name in ("done", "won"):
+            object.__setattr__(self, name, require_bool(getattr(self, name), f"reference observation {name!r}"))
+        if isinstance(self.score, bool) or not isinstance(self.score, (int, float)):
+            raise ValueError(f"reference observation 'score' must be a number, got {self.score!r}")
+        object.__setattr__(self, "score", float(self.score))
+        for name in ("admissible_actions", "action_templates"):
+            values = getattr(self, name)
+            if isinstance(values, str) or not all(isinstance(v, str) for v in values):
+                raise ValueError(f"reference observation {name!r} must be a sequence of str, got {values!r}")
+            object.__setattr__(self, name, tuple(values))
+
     @classmethod
     def from_observation(cls, obs: Observation, *, keep_admissible: bool) -> "ReferenceObservation":
-        return cls(text=obs.text, done=bool(obs.done), won=bool(obs.won), score=float(obs.score),
+        return cls(text=obs.text, done=obs.done, won=obs.won, score=float(obs.score),
                    admissible_actions=tuple(obs.admissible_actions) if keep_admissible else (),
                    action_templates=tuple(obs.action_templates))
 
@@ -111,8 +126,7 @@ class ReferenceTrajectory:
         return None if self._index(t) is None else self.actions[t - 1]
 
     def _index(self, t: int) -> int | None:
-        if not isinstance(t, int) or t < 1:
-            raise ValueError(f"turn must be an int >= 1 (paper indexing), got {t!r}")
+        t = require_int(t, "turn", minimum=1)              # paper indexing: the first turn is 1
         return t if t <= len(self.actions) else None
 
     # -- JSON

@@ -15,7 +15,7 @@ import threading
 import weakref
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-from envs.base import EnvError, Observation, Task, TextEnv
+from envs.base import EnvError, Observation, Task, TextEnv, require_int, require_text
 from envs.checks import normalize_action, normalize_scienceworld_observation
 
 logger = logging.getLogger(__name__)
@@ -25,6 +25,8 @@ __all__ = [
     "SCIENCEWORLD_TRAIN_TASK_TYPES",
     "EVAL_VARIATIONS_PER_TASK_TYPE",
     "SUCCESS_SCORE",
+    "SCIENCEWORLD_SIMPLIFICATIONS",
+    "check_simplification",
     "scienceworld_split",
     "scienceworld_task",
     "scienceworld_tasks",
@@ -35,6 +37,12 @@ BENCHMARK = "scienceworld"
 SUCCESS_SCORE = 99.999          # App. C.1: "Success ... requires a full score, implemented as score >= 99.999"
 EVAL_VARIATIONS_PER_TASK_TYPE = 5
 SCIENCEWORLD_SPLITS = ("train", "eval")
+# The simplification labels of scienceworld 1.2.3 (``get_possible_simplifications`` plus "easy", which is
+# all of them); a simplification string is a comma-separated list of these, or "" for none. The engine
+# itself answers an unknown label with "ERROR: Unknown simplification label" as every observation.
+SCIENCEWORLD_SIMPLIFICATIONS = ("easy", "teleportAction", "selfWateringFlowerPots", "openContainers", "openDoors",
+                                "noElectricalAction")
+_ELECTRICAL_TASK_MARKERS = ("power-component", "conductivity")   # tasks that need "connect X to Y"
 
 # Number of variations of each task type in scienceworld 1.2.3 (``getTaskMaxVariations``), in the
 # engine's task-id order (1-1 ... 10-2). Checked against the live engine in tests/test_scienceworld.py.
@@ -124,14 +132,38 @@ def scienceworld_split(split: str, *, train_task_types: Sequence[str] = SCIENCEW
             for v in range(count - eval_variations_per_task_type, count)]
 
 
-def scienceworld_task(task_name: str, variation: int, *, split: str = "train",
-                      simplification: str = "easy") -> Task:
-    """The ``Task`` record of one ScienceWorld (task type, variation)."""
+def check_simplification(simplification: str, task_name: str | None = None) -> str:
+    """``simplification`` if it is "" or a comma-separated list of known labels (and, for ``task_name``,
+    usable by that task: electrical tasks cannot drop "connect" actions), else ``ValueError``."""
+    if not isinstance(simplification, str):
+        raise ValueError(f"simplification must be a str, got {type(simplification).__name__}")
+    labels = [label for label in simplification.split(",") if label]
+    unknown = [label for label in labels if label not in SCIENCEWORLD_SIMPLIFICATIONS]
+    if unknown or (simplification and len(labels) != simplification.count(",") + 1):
+        raise ValueError(f"unknown ScienceWorld simplification {simplification!r}: expected \"\" or a "
+                         f"comma-separated list of {SCIENCEWORLD_SIMPLIFICATIONS}")
+    if (task_name is not None and "noElectricalAction" in labels
+            and any(marker in task_name for marker in _ELECTRICAL_TASK_MARKERS)):
+        raise ValueError(f"ScienceWorld task {task_name!r} needs electrical actions: simplification "
+                         f"'noElectricalAction' cannot be used with it")
+    return simplification
+
+
+def _check_variation(task_name: str, variation: Any) -> int:
     if task_name not in SCIENCEWORLD_VARIATIONS:
         raise ValueError(f"unknown ScienceWorld task type {task_name!r}")
+    variation = require_int(variation, f"variation of {task_name!r}")      # 1.5 is not variation 1
     count = SCIENCEWORLD_VARIATIONS[task_name]
     if not 0 <= variation < count:
         raise ValueError(f"variation {variation} out of range for {task_name!r} (0..{count - 1})")
+    return variation
+
+
+def scienceworld_task(task_name: str, variation: int, *, split: str = "train",
+                      simplification: str = "easy") -> Task:
+    """The ``Task`` record of one ScienceWorld (task type, variation)."""
+    variation = _check_variation(task_name, variation)
+    check_simplification(simplification, task_name)
     if split not in SCIENCEWORLD_SPLITS:
         raise ValueError(f"unknown ScienceWorld split {split!r}; expected one of {SCIENCEWORLD_SPLITS}")
     return Task(benchmark=BENCHMARK, split=split, task_id=f"{BENCHMARK}/{split}/{task_name}-{variation}",
@@ -228,9 +260,8 @@ class ScienceWorldEnv(TextEnv):
 
     def __init__(self, *, simplification: str = "easy", max_restarts: int = 2, jar_path: str | None = None,
                  train_task_types: Sequence[str] = SCIENCEWORLD_TRAIN_TASK_TYPES):
-        if max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
-        self.simplification = simplification
+        max_restarts = require_int(max_restarts, "max_restarts", minimum=0)
+        self.simplification = check_simplification(simplification)
         self.max_restarts = max_restarts
         self.jar_path = jar_path
         self.train_task_types = tuple(train_task_types)
@@ -252,7 +283,8 @@ class ScienceWorldEnv(TextEnv):
         self._instruction = ""
         self._raw_score = 0
         self._max_score = 0.0
-        self._admissible_normalized: frozenset[str] = frozenset()
+        self._done = False
+        self._admissible_by_norm: dict[str, str] = {}     # normalised text -> the engine's own spelling
 
     # -- JVM ------------------------------------------------------------------------------------
     @property
@@ -343,8 +375,7 @@ class ScienceWorldEnv(TextEnv):
         """Reload the task and replay the recorded actions, checking every observation."""
         if self._task is None:
             return
-        payload = self._task.payload
-        self._load(payload["task_name"], payload["variation"], payload["simplification"], gold=False)
+        self._load(*self._task_key(self._task), gold=False)
         self._server.reset()
         replayed = [self._server.step("look around")]
         for action in self._actions:
@@ -365,16 +396,15 @@ class ScienceWorldEnv(TextEnv):
         if not isinstance(task, Task) or task.benchmark != BENCHMARK:
             raise ValueError(f"not a ScienceWorld task: {task!r}")
         payload = task.payload
+        if "task_name" not in payload or "variation" not in payload:
+            raise ValueError(f"task {task.task_id!r}: payload needs 'task_name' and 'variation', got {payload!r}")
+        name = payload["task_name"]
         try:
-            name, variation = payload["task_name"], int(payload["variation"])
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"task {task.task_id!r}: payload needs 'task_name' and 'variation', got {payload!r}") \
-                from None
-        if name not in SCIENCEWORLD_VARIATIONS:
-            raise ValueError(f"task {task.task_id!r}: unknown ScienceWorld task type {name!r}")
-        if not 0 <= variation < SCIENCEWORLD_VARIATIONS[name]:
-            raise ValueError(f"task {task.task_id!r}: variation {variation} out of range for {name!r}")
-        return name, variation, payload.get("simplification", self.simplification)
+            variation = _check_variation(name, payload["variation"])
+            simplification = check_simplification(payload.get("simplification", self.simplification), name)
+        except ValueError as error:
+            raise ValueError(f"task {task.task_id!r}: {error}") from None
+        return name, variation, simplification
 
     def reset(self, task: Task) -> Observation:
         name, variation, simplification = self._task_key(task)
@@ -398,19 +428,24 @@ class ScienceWorldEnv(TextEnv):
     def step(self, action: str) -> Observation:
         if self._task is None:
             raise ValueError("step() called before reset()")
-        if not isinstance(action, str):
-            raise ValueError(f"action must be a str, got {type(action).__name__}")
-        action_valid = normalize_action(action) in self._admissible_normalized
+        if self._done:
+            raise ValueError(f"episode of {self._task.task_id} is over; call reset()")
+        require_text(action, "action")       # a lone surrogate would fail inside py4j, not in the engine
+        # An action that matches an admissible one after normalisation (NFKC, case, spaces) is sent in the
+        # engine's own spelling: the engine's parser knows nothing of Unicode normalisation.
+        canonical = self._admissible_by_norm.get(normalize_action(action))
+        action_valid = canonical is not None
+        command = action if canonical is None else canonical
         raw_before = self._raw_score
 
         def execute() -> tuple[str, Observation]:
-            text = self._server.step(action)
+            text = self._server.step(command)
             return text, self._observe(text, task=self._task, instruction=self._instruction,
                                        raw_before=raw_before, action_valid=action_valid,
                                        turn=len(self._actions) + 1)
 
         text, observation = self._run(execute, replay=True)
-        self._actions.append(action)
+        self._actions.append(command)
         self._texts.append(text)
         self._commit(observation)
         return observation
@@ -462,4 +497,8 @@ class ScienceWorldEnv(TextEnv):
     def _commit(self, observation: Observation) -> None:
         self._raw_score = observation.info["raw_score"]
         self._max_score = observation.score
-        self._admissible_normalized = frozenset(normalize_action(a) for a in observation.admissible_actions)
+        self._done = observation.done
+        self._admissible_by_norm = {}
+        for admissible in observation.admissible_actions:          # sorted: the first spelling wins
+            self._admissible_by_norm.setdefault(normalize_action(admissible), admissible)
+

@@ -2,8 +2,9 @@
 
 Owns the presets, the command line and the run itself: sample the initial contexts, tokenise both prompts,
 build the model and the engine, calibrate single-request latencies, run the b_max scan and the horizon (T)
-scan with paired, order-alternated Vanilla / ActFirst timing (``experiments.speedup_protocol``), add the
-idealized estimates (``experiments.idealized``) and write the report (``experiments.report``).
+scan with paired, order-alternated Vanilla / ActFirst timing (``experiments.speedup_protocol``: the ``vanilla``
+and ``actfirst`` rollout strategies that training runs, over fixed contexts), add the idealized estimates
+(``experiments.idealized``) and write the report (``experiments.report``).
 
     python -m experiments.actfirst_alfworld                    # preset auto: gpu-quick on GPU/TPU, cpu on CPU
     python -m experiments.actfirst_alfworld --preset paper --weights /models/Qwen3-1.7B
@@ -28,8 +29,8 @@ import numpy as np
 from experiments import idealized, report
 from experiments.alfworld_contexts import (ALFWORLD_PROMPT_LIMIT, ContextSet, collect_initial_contexts,
                                            load_context_set, save_context_set, tokenize_contexts)
-from experiments.speedup_protocol import (STRATEGIES, CalibratedLatencies, PointResult, TaskContext, Workload,
-                                          calibrate_latencies, full_kind, make_batches, run_paired_point)
+from experiments.speedup_protocol import (DRIVER, STRATEGIES, CalibratedLatencies, PointResult, TaskContext,
+                                          Workload, calibrate_latencies, full_kind, make_batches, run_paired_point)
 
 SNAPSHOT_PATH = Path(__file__).resolve().parent / "data" / "alfworld_train_contexts_seed42.json"
 CONTEXT_SEED = 42                      # App. C.5: contexts sampled with seed 42
@@ -253,9 +254,9 @@ def describe_model(model, *, name: str, weights: str | None) -> dict[str, Any]:
     _, state = nnx.split(model)
     cfg = model.config
     paper = Qwen3Config.preset("qwen3-1.7b", dtype=cfg.dtype)
+    same_shape = dataclasses.replace(cfg, max_position_embeddings=paper.max_position_embeddings) == paper
     return {"name": name, "num_params": count_params(state), "dtype": cfg.dtype, "weights": weights,
-            "random_weights": not weights, "paper_architecture": dataclasses.replace(cfg, max_position_embeddings=
-                                                                                   paper.max_position_embeddings) == paper,
+            "random_weights": not weights, "paper_architecture": same_shape,
             "config": dataclasses.asdict(cfg)}
 
 
@@ -450,7 +451,7 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
     import flax
     results = {
         "experiment": "ActFirst-OPD rollout speedup (paper Section 5.4, Fig. 3a,b; protocol App. C.5)",
-        "command": options.command, "preset": preset.name, "preset_note": preset.note,
+        "command": options.command, "preset": preset.name, "preset_note": preset.note, "driver": DRIVER,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": {"tasks_per_batch": preset.tasks_per_batch, "num_contexts": preset.num_contexts,
                    "num_batches": preset.num_batches, "repeats": preset.repeats,

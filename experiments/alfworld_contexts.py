@@ -91,7 +91,8 @@ def sample_proportionally(task_types: Sequence[str], n: int, seed: int) -> list[
         by_type[task_type].append(i)
     if not by_type:
         raise ValueError("the task pool is empty")
-    types = [t for t in ALFWORLD_TASK_TYPES if t in by_type] + sorted(t for t in by_type if t not in ALFWORLD_TASK_TYPES)
+    types = ([t for t in ALFWORLD_TASK_TYPES if t in by_type]
+             + sorted(t for t in by_type if t not in ALFWORLD_TASK_TYPES))
     quota = proportional_allocation({t: len(by_type[t]) for t in types}, n)
     rng = np.random.default_rng(seed)
     chosen: list[int] = []

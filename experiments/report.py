@@ -321,8 +321,8 @@ def summary_markdown(results: Mapping[str, Any]) -> str:
             columns=[("measured", _fmt_speedup), ("idealized (C.5)", _ideal("calibrated_speedup")),
                      ("Prop. 1", _ideal("prop1_speedup")), ("Eq. 27 cap", _ideal("eq27_bound"))])
         lines.append("")
-    lines += [f"Paper (Qwen3-1.7B, vLLM on one A100, N = 16, T = 30): b_max 16 → 256 raises the speedup "
-              f"0.80x → 1.49x (128-token full responses) and 0.92x → 2.42x (512 tokens).", ""]
+    lines += ["Paper (Qwen3-1.7B, vLLM on one A100, N = 16, T = 30): b_max 16 → 256 raises the speedup "
+              "0.80x → 1.49x (128-token full responses) and 0.92x → 2.42x (512 tokens).", ""]
     calibration = results.get("calibration")
     if calibration:
         lines += [f"## Calibrated single-request latencies ({len(calibration['context_indices'])} context(s), "

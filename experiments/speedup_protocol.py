@@ -1,40 +1,65 @@
-"""The paired Vanilla / ActFirst virtual-turn protocol of the rollout-speedup experiment (paper App. C.5).
+"""The paired Vanilla / ActFirst virtual-turn protocol of the rollout-speedup experiment (paper App. C.5), run by
+the rollout strategies that training runs.
 
-Owns the drivers that run one batch of tasks for T virtual turns on fixed contexts through an engine
-(``run_batch``), the single-request latency calibration (``calibrate_latencies``) and paired, order-alternated
-repeats over batches (``run_paired_point``). It works with any ``jaxopd.sampler.EngineProtocol`` (it uses
-``submit`` → future, ``max_concurrency``, ``wait_idle``, ``events``): ``jaxopd.sampler.Engine`` or
-``jaxopd.sampler.SimulatedEngine``. Times come from the engine's own ``Result.timings``, so they cover
-queueing, prefill, decoding and scheduling and exclude tokenisation (prompts arrive as token ids).
+Owns the fixed-context environment (``FixedContextEnv``: every step returns the task's initial context), the
+batch driver (``run_batch``: one batch of tasks for T virtual turns, played by ``jaxopd.rollout.strategies``'
+``vanilla`` and ``actfirst`` strategies over an ``envs.pool.EnvPool`` of fixed contexts), the check of a
+batch's recorded engine events against the protocol (``check_schedule``), the single-request latency
+calibration (``calibrate_latencies``) and paired, order-alternated repeats over batches (``run_paired_point``).
+It works with any ``jaxopd.sampler.EngineProtocol`` (``submit`` → future, ``max_concurrency``, ``wait_idle``,
+``events``): ``jaxopd.sampler.Engine`` or ``jaxopd.sampler.SimulatedEngine``. Times come from the engine's own
+``Result.timings``, so they cover queueing, prefill, decoding and scheduling and exclude tokenisation (prompts
+are tokenised once, before timing).
 
-Scheduling of one batch of N tasks, each with its own fixed context, for T virtual turns:
+One batch of N tasks, each with its own fixed context, for T virtual turns: ``RolloutStrategy.collect`` plays
+the N episodes concurrently (one host thread per episode, the environments stepped in the pool's threads),
+each episode ``max_turns = T`` turns long. The strategies run with ``RolloutConfig.fixed_output_lengths``:
+every request generates exactly its length (16-token fast actions, 128- or 512-token full responses; no stop
+strings, no thinking-budget insertion), sampling at temperature 1, top-p 1, no top-k.
 
-* **Vanilla** (think-then-act): each task submits its full response of turn 1; when the full response of
-  turn t finishes, the task submits turn t+1. A task never has two requests in flight.
-* **ActFirst**: at each turn a task submits its fast action and its full response together; the fast
-  action's completion releases the next turn, while full responses of earlier turns keep running.
+* **Vanilla** (``VanillaStrategy``): each turn is one full response; the task executes its (empty) action and
+  submits turn t+1 when it returns. A task never has two requests in flight.
+* **ActFirst** (``ActFirstStrategy``, the ``no-id`` configuration: App. C.5's fast actions use the action-only
+  prompt without reference information): at each turn the fast action and the full response are submitted
+  together, the fast one first; the fast action's return releases the next turn, while full responses of
+  earlier turns keep decoding. The episode ends when all its full responses returned.
 
 A batch ends when all its requests have finished; its completion time runs from its first submission to its
-last finish. Next-turn submissions happen inside the engine's future callbacks, i.e. as soon as the gating
-request finishes.
+last finish. The driver adds nothing to the strategies but the fixed prompts (pre-tokenised, read from the task)
+and the request names ``<tag>/task<i>/turn<t>/<kind>`` that ``check_schedule`` reads. On a virtual-clock engine
+(``SimulatedEngine``, which simulates inside ``wait_idle`` on the calling thread) the driver's request bridge
+keeps the clock still while a released task steps its environment and submits its next turn, so virtual
+times are those of an instantaneous host, as Proposition 1 assumes.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import math
 import statistics
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Literal, Sequence
 
 import numpy as np
 
+from envs.base import Observation, Task, TextEnv
+from envs.pool import EnvPool
+from jaxopd.rollout.strategies import ActFirstStrategy, RolloutConfig, RolloutStrategy, VanillaStrategy, actfirst_config
+from jaxopd.rollout.strategies import request_seed as rollout_request_seed
+from jaxopd.rollout.thinking import ThinkingBudget
 from jaxopd.sampler import Request, SamplingParams
 
 Strategy = Literal["vanilla", "actfirst"]
 STRATEGIES: tuple[str, ...] = ("vanilla", "actfirst")
 KINDS: tuple[str, ...] = ("fast", "full")
 DEFAULT_BATCH_TIMEOUT_S = 3 * 3600.0
+DRIVER = ("jaxopd.rollout.strategies: VanillaStrategy and ActFirstStrategy (no-id: fast actions by next-action "
+          "prediction) with RolloutConfig.fixed_output_lengths, RolloutStrategy.collect over an envs.pool.EnvPool "
+          "of FixedContextEnv (one host thread per episode; environments in the pool's threads)")
+"""What plays the batches, in words (``results.json`` records it)."""
 
 
 # ----------------------------------------------------------------------------------------------- inputs
@@ -91,11 +116,76 @@ class Workload:
                               top_p=self.top_p, top_k=self.top_k, seed=seed)
 
 
+ROLES: dict[str, str] = {"fast": "next_action", "full": "full"}
+"""The strategies' seed role of each request kind (``RolloutStrategy.seed``): ActFirst's fast action is a
+next-action prediction, and both strategies seed their full responses under the role ``full``."""
+
+
+def context_task_id(context_index: int) -> str:
+    """The task id of a fixed context in the rollouts: a function of its index only, so that both strategies
+    and every repeat draw the same seeds for it (the strategies seed by task id, turn and role)."""
+    return f"fixed-context/{int(context_index)}"
+
+
 def request_seed(base_seed: int, context_index: int, turn: int, kind: str) -> int:
-    """The sampling seed of one request: a function of the context, the turn and the kind only, so both
-    strategies and every repeat sample their full responses with the same seeds."""
-    entropy = [int(base_seed), int(context_index), int(turn), KINDS.index(kind)]
-    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint32)[0])
+    """The sampling seed of one request (0-based virtual ``turn``): the seed the strategies give it
+    (``jaxopd.rollout.strategies.request_seed`` of the context's task id, turn and role), a function of the
+    context, the turn and the kind only, so both strategies and every repeat sample their full responses with
+    the same seeds, and calibration measures the first turn's requests."""
+    if kind not in KINDS:
+        raise ValueError(f"request kind must be one of {KINDS}, got {kind!r}")
+    return rollout_request_seed(base_seed, context_task_id(context_index), turn + 1, ROLES[kind])
+
+
+# ------------------------------------------------------------------------------------ fixed contexts
+class FixedContextEnv(TextEnv):
+    """A text environment whose every step returns the task's initial context again (App. C.5's "fixed
+    interaction contexts"): the task's payload holds the context; nothing ends an episode but the turn limit.
+
+    Prompts are read from the task (``payload["prompt_ids"]``, tokenised once before timing), so the
+    observation text only names the context.
+    """
+
+    benchmark = "alfworld"
+
+    def __init__(self):
+        self._observation: Observation | None = None
+
+    def tasks(self, split: str) -> Sequence[Task]:
+        return ()                  # the tasks are made from contexts (``context_task``), not listed here
+
+    def reset(self, task: Task) -> Observation:
+        self._observation = Observation(text=f"fixed context {task.payload['context_id']}", instruction="",
+                                        info={"position": task.payload["position"]})
+        return self._observation
+
+    def step(self, action: str) -> Observation:
+        if self._observation is None:
+            raise ValueError("step() before reset()")
+        self._observation = dataclasses.replace(self._observation, turn=self._observation.turn + 1)
+        return self._observation
+
+
+def context_task(context: TaskContext, position: int) -> Task:
+    """The rollout task of ``context`` at ``position`` in its batch: its prompts by generation mode (``full``:
+    think-then-act, ``next_action``: action-only without reference) in the payload."""
+    return Task(benchmark=FixedContextEnv.benchmark, split="train", task_id=context_task_id(context.index),
+                task_type=context.task_type,
+                payload={"position": position, "context_id": context.context_id,
+                         "prompt_ids": {"full": context.full_prompt_ids, "next_action": context.fast_prompt_ids}})
+
+
+def rollout_config(strategy: str, T: int, workload: Workload, base_seed: int) -> RolloutConfig:
+    """The strategies' configuration for ``T`` virtual turns of ``workload``: fixed output lengths (App. C.5);
+    ActFirst without inverse dynamics (its fast actions use the action-only prompt without reference)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    common = dict(max_turns=T, thinking_budget=ThinkingBudget(workload.full_tokens, workload.full_tokens),
+                  temperature=workload.temperature, top_p=workload.top_p, top_k=workload.top_k, seed=base_seed,
+                  fixed_output_lengths=True)
+    if strategy == "vanilla":
+        return RolloutConfig(**common)
+    return actfirst_config("no-id", fast_action_max_tokens=workload.fast_tokens, **common)
 
 
 # ---------------------------------------------------------------------------------------------- records
@@ -126,6 +216,7 @@ class BatchRun:
     records: tuple[RequestRecord, ...]
     wall_time: float               # host perf_counter around the run (sanity check only)
     schedule: ScheduleCheck | None = None     # set when the run's recorded events were checked
+    num_samples: int = 0           # training responses the strategy's trajectories hold (Vanilla and ActFirst: N·T)
 
     @property
     def started_at(self) -> float:
@@ -224,7 +315,7 @@ def check_schedule(events: Sequence[Any], strategy: str, *, tag: str, T: int, nu
             raise ScheduleViolation(f"{tag} {key}: events {sorted(record)} instead of submit, admit, finish")
     gate_kind = "full" if strategy == "vanilla" else "fast"
     submit_order: dict[int, list[tuple[int, str]]] = {i: [] for i in range(num_tasks)}
-    for key, record in sorted(life.items(), key=lambda kv: kv[1]["submit"][1]):
+    for key, _record in sorted(life.items(), key=lambda kv: kv[1]["submit"][1]):
         submit_order[key[0]].append((key[1], key[2]))
     for i in range(num_tasks):
         for t in range(T):
@@ -258,78 +349,165 @@ def peak_concurrency(intervals: Iterable[tuple[float, float]]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- driver
-class _BatchDriver:
-    """Submits the requests of one batch and reacts to their completions (on the engine's thread)."""
+class _RequestBridge:
+    """The strategies' engine in one timed batch: names every request after its task, virtual turn and kind
+    (``<tag>/task<i>/turn<t>/<kind>``), records its timings, and, on a virtual-clock engine, hands requests to
+    the simulation at the protocol's instants.
 
-    def __init__(self, engine: Any, strategy: str, contexts: Sequence[TaskContext], T: int, workload: Workload,
-                 base_seed: int, tag: str):
+    The task and turn come from the episode whose ``decide`` runs on the submitting thread (``local.episode``,
+    set by ``_FixedContextTurns``). A ``SimulatedEngine`` advances its clock inside ``wait_idle`` on the
+    driver's thread, where request completions run their callbacks; there, the completion of a request that
+    releases a turn (Vanilla: the full response; ActFirst: the fast action) waits until the released episode
+    has queued its next turn's requests and submits them at that same virtual instant. The real engine gets
+    every request directly from the episode thread.
+    """
+
+    def __init__(self, engine: Any, *, strategy: str, T: int, num_tasks: int, workload: Workload, tag: str,
+                 virtual: bool, timeout: float):
         self.engine = engine
         self.strategy = strategy
-        self.contexts = contexts
         self.T = T
         self.workload = workload
-        self.base_seed = base_seed
         self.tag = tag
-        self.lock = threading.Lock()
-        self.done = threading.Event()
-        self.outstanding = 0
+        self.virtual = virtual
+        self.timeout = timeout
+        self.per_turn = 1 if strategy == "vanilla" else 2
+        self.gate_kind = "full" if strategy == "vanilla" else "fast"
+        self.local = threading.local()
+        self.condition = threading.Condition()
+        self.queued: dict[int, list[tuple[int, Request, Future]]] = {i: [] for i in range(num_tasks)}
+        self.ended: set[int] = set()
         self.records: list[RequestRecord] = []
         self.errors: list[str] = []
 
-    def start(self) -> None:
-        for task in range(len(self.contexts)):
-            self._submit_turn(task, 0)
-
-    def _submit_turn(self, task: int, turn: int) -> None:
-        kinds = ("full",) if self.strategy == "vanilla" else ("fast", "full")
-        for kind in kinds:                      # fast first: "submitted together", the fast one queued first
-            self._submit(task, turn, kind)
-
-    def _submit(self, task: int, turn: int, kind: str) -> None:
-        context = self.contexts[task]
-        seed = request_seed(self.base_seed, context.index, turn, kind)
-        request = Request(prompt_ids=context.prompt_ids(kind), params=self.workload.sampling_params(kind, seed),
-                          kind=kind, request_id=f"{self.tag}/task{task}/turn{turn}/{kind}")
-        with self.lock:
-            self.outstanding += 1
-        try:
+    # -- the engine surface the strategies use (episode threads)
+    def submit(self, request: Request) -> Future:
+        episode = getattr(self.local, "episode", None)
+        if episode is None:
+            raise RuntimeError("a request was submitted outside a strategy's turn")
+        task, turn = episode.task.payload["position"], episode.turn - 1
+        request.request_id = f"{self.tag}/task{task}/turn{turn}/{request.kind}"
+        if not self.virtual:
             future = self.engine.submit(request)
-        except Exception as exc:  # noqa: BLE001 - reported after the batch drains
-            self._finish_one(error=f"submit of {request.request_id} failed: {exc!r}")
-            return
-        future.add_done_callback(lambda f: self._on_done(f, task, turn, kind, request.request_id))
+            future.add_done_callback(functools.partial(self._record, task, turn, request))
+            return future
+        proxy: Future = Future()
+        with self.condition:
+            self.queued[task].append((turn, request, proxy))
+            self.condition.notify_all()
+        return proxy
 
-    def _on_done(self, future, task: int, turn: int, kind: str, request_id: str) -> None:
+    def episode_ended(self, task: int) -> None:
+        with self.condition:
+            self.ended.add(task)
+            self.condition.notify_all()
+
+    # -- virtual clock (the thread that runs the simulation)
+    def release(self, task: int, turn: int) -> None:
+        """Submit ``task``'s requests of ``turn`` once its episode has queued all of them (or ended)."""
+        deadline = time.monotonic() + self.timeout
+        with self.condition:
+            while (sum(1 for t, _, _ in self.queued[task] if t == turn) < self.per_turn
+                   and task not in self.ended):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.errors.append(f"{self.tag}: task {task} did not submit turn {turn} within {self.timeout} s")
+                    return
+                self.condition.wait(left)
+            ready = [q for q in self.queued[task] if q[0] == turn]
+            self.queued[task] = [q for q in self.queued[task] if q[0] != turn]
+        for _, request, proxy in ready:
+            try:
+                future = self.engine.submit(request)
+            except Exception as exc:  # noqa: BLE001 - delivered to the episode through its future
+                proxy.set_exception(exc)
+                continue
+            future.add_done_callback(functools.partial(self._on_virtual_done, task, turn, request, proxy))
+
+    def release_first_turns(self) -> None:
+        for task in self.queued:
+            self.release(task, 0)
+
+    def _on_virtual_done(self, task: int, turn: int, request: Request, proxy: Future, future: Future) -> None:
+        self._record(task, turn, request, future)
+        if future.exception() is not None:
+            proxy.set_exception(future.exception())
+        else:
+            proxy.set_result(future.result())       # wakes the episode (through the strategy's callbacks)
+        if request.kind == self.gate_kind and turn + 1 < self.T:
+            self.release(task, turn + 1)             # the clock stands still until the released turn is submitted
+
+    def fail_unreleased(self) -> list[str]:
+        """Fail the requests no turn released (a protocol breach) so their episodes end; their ids."""
+        with self.condition:
+            stranded = [(request, proxy) for queue in self.queued.values() for _, request, proxy in queue]
+            for queue in self.queued.values():
+                queue.clear()
+        for request, proxy in stranded:
+            proxy.set_exception(RuntimeError(f"{request.request_id} was never released to the engine"))
+        return [request.request_id for request, _ in stranded]
+
+    # -- records
+    def _record(self, task: int, turn: int, request: Request, future: Future) -> None:
         try:
             result = future.result()
         except Exception as exc:  # noqa: BLE001
-            self._finish_one(error=f"{request_id} failed: {exc!r}")
+            self._error(f"{request.request_id} failed: {exc!r}")
             return
-        expected = self.workload.tokens(kind)
+        expected = self.workload.tokens(request.kind)
         if result.finish_reason not in ("length", "stop") or len(result.token_ids) != expected:
-            self._finish_one(error=f"{request_id} ended with {result.finish_reason!r} after "
-                                   f"{len(result.token_ids)} tokens; the protocol fixes {expected}")
+            self._error(f"{request.request_id} ended with {result.finish_reason!r} after {len(result.token_ids)} "
+                        f"tokens; the protocol fixes {expected}")
             return
         t = result.timings
-        record = RequestRecord(request_id=request_id, task=task, turn=turn, kind=kind,
+        record = RequestRecord(request_id=request.request_id, task=task, turn=turn, kind=request.kind,
                                submitted_at=t.submitted_at, admitted_at=t.admitted_at,
                                first_token_at=t.first_token_at, finished_at=t.finished_at,
                                num_tokens=len(result.token_ids), num_preemptions=result.num_preemptions)
-        with self.lock:
+        with self.condition:
             self.records.append(record)
-            failed = bool(self.errors)
-        gates_next_turn = (kind == "full") if self.strategy == "vanilla" else (kind == "fast")
-        if gates_next_turn and turn + 1 < self.T and not failed:
-            self._submit_turn(task, turn + 1)    # before this request is counted done: the batch cannot end here
-        self._finish_one()
 
-    def _finish_one(self, error: str | None = None) -> None:
-        with self.lock:
-            if error is not None:
-                self.errors.append(error)
-            self.outstanding -= 1
-            if self.outstanding == 0:
-                self.done.set()
+    def _error(self, message: str) -> None:
+        with self.condition:
+            self.errors.append(message)
+
+
+class _FixedContextTurns:
+    """What the driver adds to a strategy, and nothing more: prompts are the fixed context's pre-tokenised ids
+    (App. C.5 times no tokenisation; the context never changes, so no history enters it), and the bridge learns
+    which episode submits each request."""
+
+    engine: _RequestBridge
+
+    def decide(self, episode):
+        self.engine.local.episode = episode
+        return super().decide(episode)
+
+    def prompt_inputs(self, episode, reference_next_observation=None):
+        return None                              # nothing to render: ``render`` reads the context's prompt ids
+
+    def render(self, mode, inputs, tokenizer=None):
+        return list(self.engine.local.episode.task.payload["prompt_ids"][mode])
+
+    def run_episode(self, slot, task, reference=None):
+        try:
+            return super().run_episode(slot, task, reference)
+        finally:
+            self.engine.episode_ended(task.payload["position"])
+
+
+class _FixedContextVanilla(_FixedContextTurns, VanillaStrategy):
+    pass
+
+
+class _FixedContextActFirst(_FixedContextTurns, ActFirstStrategy):
+    pass
+
+
+def _fixed_context_strategy(strategy: str, bridge: _RequestBridge, pool: EnvPool, tokenizer: Any,
+                            config: RolloutConfig) -> RolloutStrategy:
+    cls = _FixedContextVanilla if strategy == "vanilla" else _FixedContextActFirst
+    return cls(bridge, pool, tokenizer, config)
 
 
 def set_concurrency_cap(engine: Any, b_max: int, *, timeout: float = 30.0) -> None:
@@ -343,15 +521,25 @@ def set_concurrency_cap(engine: Any, b_max: int, *, timeout: float = 30.0) -> No
         time.sleep(0.001)
 
 
+def is_virtual_clock(engine: Any) -> bool:
+    """Whether ``engine`` simulates on a virtual clock inside ``wait_idle`` (``SimulatedEngine``)."""
+    from jaxopd.sampler.simulated import SimulatedEngine
+
+    return isinstance(engine, SimulatedEngine)
+
+
 def run_batch(engine: Any, strategy: str, contexts: Sequence[TaskContext], T: int, workload: Workload, *,
               b_max: int, base_seed: int = 0, tag: str = "batch", check_events: bool = False,
-              timeout: float = DEFAULT_BATCH_TIMEOUT_S) -> BatchRun:
-    """Run one batch of ``len(contexts)`` tasks for ``T`` virtual turns under ``strategy`` with cap ``b_max``.
+              timeout: float = DEFAULT_BATCH_TIMEOUT_S, tokenizer: Any = None) -> BatchRun:
+    """Run one batch of ``len(contexts)`` tasks for ``T`` virtual turns under ``strategy`` with cap ``b_max``:
+    the ``vanilla`` or ``actfirst`` rollout strategy plays every context's episode in a ``FixedContextEnv``.
 
     The engine must be idle. Raises ``RuntimeError`` if any request fails or does not produce exactly its
-    fixed number of tokens, ``TimeoutError`` if the batch does not finish within ``timeout`` seconds.
-    ``check_events``: verify the engine's recorded events of this batch with ``check_schedule`` (the engine
-    must record events), raising ``ScheduleViolation`` on a breach.
+    fixed number of tokens, or if an episode does not play its ``T`` turns; ``TimeoutError`` if the batch does
+    not finish within ``timeout`` seconds. ``check_events``: verify the engine's recorded events of this batch
+    with ``check_schedule`` (the engine must record events), raising ``ScheduleViolation`` on a breach.
+    ``tokenizer``: decodes responses into the trajectories (None: responses stay undecoded, as a random model
+    samples embedding padding rows that no tokenizer decodes).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -359,23 +547,48 @@ def run_batch(engine: Any, strategy: str, contexts: Sequence[TaskContext], T: in
         raise ValueError(f"the number of virtual turns T must be a positive int, got {T!r}")
     if not contexts:
         raise ValueError("a batch needs at least one task context")
+    config = rollout_config(strategy, T, workload, base_seed)
     set_concurrency_cap(engine, b_max)
     first_event = len(engine.events) if check_events else 0
-    driver = _BatchDriver(engine, strategy, contexts, T, workload, base_seed, tag)
-    wall_start = time.perf_counter()
-    driver.start()
-    engine.wait_idle(timeout)         # the fake engine simulates here; the real one just blocks
-    if not driver.done.wait(timeout):
-        raise TimeoutError(f"{tag}: {strategy} batch of {len(contexts)} tasks x {T} turns did not finish in "
-                           f"{timeout} s ({driver.outstanding} requests outstanding)")
-    wall_time = time.perf_counter() - wall_start
-    if driver.errors:
-        raise RuntimeError(f"{tag}: {len(driver.errors)} request(s) failed; first: {driver.errors[0]}")
+    virtual = is_virtual_clock(engine)
+    bridge = _RequestBridge(engine, strategy=strategy, T=T, num_tasks=len(contexts), workload=workload, tag=tag,
+                            virtual=virtual, timeout=timeout)
+    tasks = [context_task(context, position) for position, context in enumerate(contexts)]
+    runner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"batch-{strategy}")
+    with EnvPool(FixedContextEnv, num_slots=len(tasks)) as pool:
+        rollout = _fixed_context_strategy(strategy, bridge, pool, tokenizer, config)
+        wall_start = time.perf_counter()
+        collected = runner.submit(rollout.collect, tasks)
+        try:
+            if virtual:
+                bridge.release_first_turns()
+                engine.wait_idle(timeout)           # the simulation runs here, releasing turns as it goes
+                stranded = bridge.fail_unreleased()
+                if stranded:
+                    raise RuntimeError(f"{tag}: requests submitted outside the protocol's turns: {stranded[:3]}")
+            trajectories = collected.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"{tag}: {strategy} batch of {len(contexts)} tasks x {T} turns did not finish in "
+                               f"{timeout} s") from None
+        except RuntimeError:
+            raise
+        except Exception as exc:
+            first = f"; first request error: {bridge.errors[0]}" if bridge.errors else ""
+            raise RuntimeError(f"{tag}: the {strategy} rollout failed: {exc!r}{first}") from exc
+        finally:
+            runner.shutdown(wait=collected.done())  # a stuck rollout is left behind; closing the pool ends it
+        wall_time = time.perf_counter() - wall_start
+    if bridge.errors:
+        raise RuntimeError(f"{tag}: {len(bridge.errors)} request(s) failed; first: {bridge.errors[0]}")
+    for trajectory in trajectories:
+        if trajectory.num_turns != T or trajectory.end_reason != "max_turns":
+            raise RuntimeError(f"{tag}: {trajectory.task.task_id} played {trajectory.num_turns} of {T} turns "
+                               f"({trajectory.end_reason})")
     per_task = 1 if strategy == "vanilla" else 2
     expected = len(contexts) * T * per_task
-    if len(driver.records) != expected:
-        raise RuntimeError(f"{tag}: expected {expected} finished requests, got {len(driver.records)}")
-    records = tuple(sorted(driver.records, key=lambda r: (r.submitted_at, r.task, r.turn, r.kind)))
+    if len(bridge.records) != expected:
+        raise RuntimeError(f"{tag}: expected {expected} finished requests, got {len(bridge.records)}")
+    records = tuple(sorted(bridge.records, key=lambda r: (r.submitted_at, r.task, r.turn, r.kind)))
     schedule = None
     if check_events:
         events = engine.events[first_event:]
@@ -383,7 +596,8 @@ def run_batch(engine: Any, strategy: str, contexts: Sequence[TaskContext], T: in
             raise ValueError(f"{tag}: check_events needs an engine that records events (record_events=True)")
         schedule = check_schedule(events, strategy, tag=tag, T=T, num_tasks=len(contexts), b_max=b_max)
     return BatchRun(strategy=strategy, T=T, b_max=b_max, context_indices=tuple(c.index for c in contexts),
-                    records=records, wall_time=wall_time, schedule=schedule)
+                    records=records, wall_time=wall_time, schedule=schedule,
+                    num_samples=sum(len(t.responses()) for t in trajectories))
 
 
 # ------------------------------------------------------------------------------------------ calibration

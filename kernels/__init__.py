@@ -4,7 +4,8 @@ Owns the registry of ``AttentionBackend`` objects (``kernels.backend``): ``get_b
 object that owns a layer's KV page layout, the KV write and the prefill / decode attention. ``reference``
 (pure jnp, pages ``[num_pages, page_size, kv_heads, head_dim]``) and ``reference-hnd`` (the same with pages
 ``[kv_heads, num_pages, page_size, head_dim]``) run anywhere; a Pallas GPU or TPU kernel registers itself here
-under another name and the engine picks it by name. ``kernels.dense.grouped_attention`` is the dense attention
+under another name and the engine picks it by name (``pallas-gpu``, ``pallas-tpu``, ``pallas-tpu-ragged``;
+``default_backend_name()`` picks the platform's). ``kernels.dense.grouped_attention`` is the dense attention
 of the model. Nothing here imports ``jaxopd``.
 """
 from __future__ import annotations
@@ -13,6 +14,8 @@ from kernels.backend import AttentionBackend, LayerCache
 from kernels.dense import grouped_attention
 from kernels.paged_attention_reference import (HeadsFirstReferenceBackend, ReferenceBackend,
                                                paged_attention_reference, write_kv_pages)
+from kernels.pallas_gpu import PallasGpuBackend
+from kernels.pallas_tpu import PallasTpuBackend, PallasTpuRaggedBackend
 
 _BACKENDS: dict[str, AttentionBackend] = {}
 
@@ -36,9 +39,23 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def default_backend_name(platform: str | None = None) -> str:
+    """The backend an engine uses when none is named: the Pallas kernel of the platform (``pallas-gpu`` on a
+    GPU, ``pallas-tpu`` on a TPU), else ``reference``."""
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    return {"gpu": "pallas-gpu", "cuda": "pallas-gpu", "tpu": "pallas-tpu"}.get(platform, "reference")
+
+
 register_backend(ReferenceBackend())
 register_backend(HeadsFirstReferenceBackend())
+register_backend(PallasGpuBackend())
+register_backend(PallasTpuBackend())
+register_backend(PallasTpuRaggedBackend())
 
 __all__ = ["AttentionBackend", "LayerCache", "get_backend", "register_backend", "available_backends",
+           "default_backend_name", "PallasGpuBackend", "PallasTpuBackend", "PallasTpuRaggedBackend",
            "grouped_attention", "ReferenceBackend", "HeadsFirstReferenceBackend", "write_kv_pages",
            "paged_attention_reference"]

@@ -1,10 +1,14 @@
 """ALFWorld on the real TextWorld engine: generated games of the six task types, splits, determinism, errors."""
+import ast
 import collections
+import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -15,8 +19,10 @@ pytest.importorskip("alfworld")
 pytest.importorskip("textworld")
 
 from envs import alfworld as alf  # noqa: E402
+from envs import alfworld_engine as engine_module  # noqa: E402
 from envs import alfworld_gen as gen  # noqa: E402
 from envs.base import EnvError, Task  # noqa: E402
+from envs.pool import EnvPool  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_COUNTS = {"train": 6, "valid_seen": 0, "valid_unseen": 0}   # one game of each task type
@@ -69,7 +75,7 @@ def test_each_task_type_is_won_by_its_walkthrough(env):
 def test_observation_texts_follow_the_alfworld_grammar(env):
     task = next(t for t in env.tasks("train") if t.task_type == "pick_heat_then_place_in_recep")
     walkthrough = env.walkthrough(task)
-    obs = env.reset(task)
+    env.reset(task)
     texts = [env.step(a).text for a in walkthrough]
     verbs = [a.split()[0] for a in walkthrough]
     assert verbs[-4:] == ["go", "heat", "go", "move"] or verbs[-5:-1] == ["go", "heat", "go", "open"]
@@ -158,6 +164,70 @@ def test_engine_errors_surface_as_env_error(tmp_path):
             broken.reset(broken.tasks("train")[0])
 
 
+def _broken_game_task(tmp_path) -> Task:
+    game_dir = tmp_path / "broken_game"
+    game_dir.mkdir()
+    (game_dir / alf.GAME_FILE).write_text(json.dumps(
+        {"pddl_domain": gen._alfred()["domain"], "grammar": gen._alfred()["grammar"],
+         "pddl_problem": "(define (problem broken) (:domain alfred) (:objects agent1 - agent) (:init",
+         "solvable": True, "walkthrough": None}))
+    return Task("alfworld", "train", "alfworld/train/broken", "pick_and_place_simple",
+                {"game_file": str(game_dir / alf.GAME_FILE)})
+
+
+def test_failed_reset_ends_the_previous_episode(env, tmp_path):
+    """Issue 15.17: a reset that fails (corrupt game file) must not leave the previous episode playable."""
+    task = next(t for t in env.tasks("train") if t.task_type == "pick_and_place_simple")
+    walkthrough = env.walkthrough(task)
+    env.reset(task)
+    env.step(walkthrough[0])
+    with pytest.raises(EnvError, match="cannot load ALFWorld game"):
+        env.reset(_broken_game_task(tmp_path))
+    with pytest.raises(ValueError, match="failed reset"):
+        env.step(walkthrough[1])
+    obs = env.reset(task)                          # the environment itself is fine: a new reset plays
+    for action in walkthrough:
+        obs = env.step(action)
+    assert obs.won
+
+
+# ----------------------------------------------------------------------------------- module layout
+
+
+def _envs_imports(module_file: Path) -> set[str]:
+    """Every ``envs.*`` module a file imports, at any depth (function-level imports included)."""
+    names = set()
+    for node in ast.walk(ast.parse(module_file.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "envs":
+                names |= {f"envs.{alias.name}" for alias in node.names}
+            elif node.module.startswith("envs."):
+                names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names if alias.name.startswith("envs.")}
+    return names
+
+
+def test_the_engine_module_breaks_the_import_circle():
+    """Issue 9.5: alfworld and alfworld_gen both import alfworld_engine; the generator never imports alfworld."""
+    envs_dir = REPO / "envs"
+    engine = _envs_imports(envs_dir / "alfworld_engine.py")
+    generator = _envs_imports(envs_dir / "alfworld_gen.py")
+    environment = _envs_imports(envs_dir / "alfworld.py")
+    assert "envs.alfworld" not in engine | generator and "envs.alfworld_gen" not in engine
+    assert "envs.alfworld_engine" in generator and "envs.alfworld_engine" in environment
+    assert alf.AlfredEngine is engine_module.AlfredEngine and alf.TASK_TYPES is engine_module.TASK_TYPES
+    assert gen.AlfredEngine is engine_module.AlfredEngine
+    # experiments/ reads TASK_TYPES without the alfworld package: no alfworld, textworld or planner import
+    script = ("import sys\n"
+              "for name in ('alfworld', 'textworld', 'fast_downward', 'tatsu'): sys.modules[name] = None\n"
+              "import envs.alfworld, envs.alfworld_engine\n"
+              "print(len(envs.alfworld.TASK_TYPES))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0 and result.stdout.split() == ["6"], result.stderr[-2000:]
+
+
 # --------------------------------------------------------------------------------------------- games
 
 
@@ -209,6 +279,20 @@ def test_official_tree_discovery_filters_like_alfworld(small_games_root, tmp_pat
         assert obs.won
         with pytest.raises(alf.NoGamesError):
             official.tasks("valid_unseen")
+
+
+def test_generator_counts_are_ints_not_bools(tmp_path):
+    """Issue 15.19: counts={"train": True} is not one game."""
+    for counts in ({"train": True}, {"train": 2.0}, {"train": "3"}, {"train": -1}, {"test": 1}):
+        with pytest.raises(ValueError, match="games must be|unknown ALFWorld split"):
+            gen.generate_games(tmp_path / "none", counts=counts)
+        with pytest.raises(ValueError, match="games must be|unknown ALFWorld split"):
+            gen.ensure_games(tmp_path / "cache", counts=counts)
+    with pytest.raises(ValueError, match="max_walkthrough"):
+        gen.generate_games(tmp_path / "none", counts={"train": 1}, max_walkthrough=True)
+    with pytest.raises(ValueError, match="max_turns"):
+        alf.AlfWorldEnv(tmp_path, max_turns=True)
+    assert not (tmp_path / "none").exists() and not (tmp_path / "cache").exists()
 
 
 def test_floor_plan_from_the_shipped_layouts():
@@ -333,7 +417,7 @@ def test_engines_in_threads_match_sequential_play(small_games_root):
     for task in tasks:
         play(task, sequential)
     argv = list(sys.argv)
-    alf._translations.clear()              # make both threads translate at the same time
+    engine_module._translations.clear()    # make both threads translate at the same time
     threads = [threading.Thread(target=play, args=(t, threaded)) for t in tasks]
     for thread in threads:
         thread.start()
@@ -341,6 +425,93 @@ def test_engines_in_threads_match_sequential_play(small_games_root):
         thread.join(timeout=120)
     assert threaded == sequential and all(won for _, won in threaded.values())
     assert sys.argv == argv
+
+
+# ---------------------------------------------------------------------- worker processes (issue 14)
+
+
+POOL_TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_and_place_simple")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def pool_episodes(env):
+    """Per slot: (task, actions, observations of one thread playing them). The actions are the walkthrough
+    with two bad actions after its first step ("help" is excluded, the other is not a command)."""
+    episodes = []
+    for task_type in POOL_TASK_TYPES:
+        task = next(t for t in env.tasks("train") if t.task_type == task_type)
+        walkthrough = env.walkthrough(task)
+        actions = [walkthrough[0], "help", "fly to the moon", *walkthrough[1:]]
+        observations = [env.reset(task)] + [env.step(a) for a in actions]
+        episodes.append((task, actions, observations))
+    return episodes
+
+
+def _play(pool: EnvPool, episodes, start: int, stop: int | None = None) -> None:
+    """Step every slot through actions[start:stop], the slots' calls submitted together each round."""
+    rounds = max(len(actions) for _, actions, _ in episodes)
+    for turn in range(start, rounds if stop is None else stop):
+        futures = [pool.submit_step(slot, actions[turn]) for slot, (_, actions, _) in enumerate(episodes)
+                   if turn < len(actions)]
+        for future in futures:
+            future.result()
+
+
+def test_two_worker_processes_give_the_observations_of_one_thread(small_games_root, pool_episodes):
+    """Three slots on two worker processes play what one thread plays; bad actions behave as in a thread;
+    close() leaves no worker process, thread or temporary folder."""
+    threads_before = set(threading.enumerate())
+    temp_before = set(os.listdir(tempfile.gettempdir()))
+    factory = functools.partial(alf.AlfWorldEnv, small_games_root)
+    with EnvPool(factory, len(pool_episodes), max_workers=2) as pool:
+        assert pool.backend == "process" and len(set(pool.worker_of(s) for s in range(3))) == 2
+        for future in [pool.submit_reset(slot, task) for slot, (task, _, _) in enumerate(pool_episodes)]:
+            future.result()
+        _play(pool, pool_episodes, 0)
+        for slot, (_, actions, observations) in enumerate(pool_episodes):
+            trajectory = pool.trajectory(slot)
+            assert trajectory.actions == tuple(actions)
+            assert list(trajectory.observations) == observations        # every compared field, not only text
+            bad = trajectory.observations[2:4]
+            assert [(o.text, o.turn, o.last_action_valid) for o in bad] == [("Nothing happens.", 2, False),
+                                                                           ("Nothing happens.", 3, False)]
+            assert bad[0].admissible_actions == trajectory.observations[1].admissible_actions
+            assert trajectory.observations[-1].won and trajectory.recoveries == 0
+        with pytest.raises(ValueError, match="is over"):          # as in a thread: bad input, env kept
+            pool.step(0, "look")
+        assert pool.recoveries == 0
+        pids = list(pool.worker_pids)
+        assert len(pids) == 2 and all(_pid_alive(pid) for pid in pids)
+    assert not any(_pid_alive(pid) for pid in pids)
+    deadline = time.monotonic() + 5
+    while set(threading.enumerate()) - threads_before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert set(threading.enumerate()) <= threads_before
+    assert set(os.listdir(tempfile.gettempdir())) - temp_before == set()
+
+
+def test_killed_alfworld_worker_is_replayed(small_games_root, pool_episodes):
+    factory = functools.partial(alf.AlfWorldEnv, small_games_root)
+    with EnvPool(factory, len(pool_episodes), max_workers=2) as pool:
+        for slot, (task, _, _) in enumerate(pool_episodes):
+            pool.reset(slot, task)
+        _play(pool, pool_episodes, 0, 3)
+        victim = pool.worker_pids[pool.worker_of(0)]                # holds slots 0 and 2
+        os.kill(victim, signal.SIGKILL)
+        _play(pool, pool_episodes, 3)
+        for slot, (_, actions, observations) in enumerate(pool_episodes):
+            trajectory = pool.trajectory(slot)
+            assert trajectory.actions == tuple(actions) and list(trajectory.observations) == observations
+        assert [pool.trajectory(s).recoveries for s in range(3)] == [1, 0, 1]
+        assert victim not in pool.worker_pids and not _pid_alive(victim)
 
 
 @pytest.mark.slow

@@ -105,7 +105,8 @@ def test_presets_and_cli_options():
     paper = PRESETS["paper"]
     assert (paper.tasks_per_batch, paper.num_contexts, paper.num_batches, paper.repeats) == (16, 1024, 64, 3)
     assert paper.bmax_scan == (16, 32, 64, 128, 256) and paper.horizon_scan == (1, 2, 4, 8, 16, 30)
-    assert (paper.fast_tokens, paper.full_lengths, paper.bmax_scan_T, paper.horizon_scan_bmax) == (16, (128, 512), 30, 256)
+    assert ((paper.fast_tokens, paper.full_lengths, paper.bmax_scan_T, paper.horizon_scan_bmax)
+            == (16, (128, 512), 30, 256))
     assert len(paper.scan_points()) == 5 + 6 - 1            # (T=30, b_max=256) is shared by both scans
     for preset in PRESETS.values():
         preset.validate()

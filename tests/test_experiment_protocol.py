@@ -1,19 +1,41 @@
 """Scheduling of the paired Vanilla / ActFirst protocol, verified on a virtual clock and on recorded events,
 plus context sampling and snapshots."""
 import collections
-import itertools
 import random
+from concurrent.futures import Future
 
+import numpy as np
 import pytest
 
 from experiments import idealized
-from experiments.alfworld_contexts import (ALFWORLD_TASK_TYPES, ContextSet, InitialContext, load_context_set,
-                                           proportional_allocation, sample_proportionally, save_context_set,
-                                           tokenize_contexts)
-from experiments.speedup_protocol import (ScheduleViolation, TaskContext, Workload, calibrate_latencies,
-                                          check_schedule, make_batches, parse_request_id, peak_concurrency,
-                                          request_seed, run_batch, run_paired_point, strategy_order)
+from experiments.alfworld_contexts import (
+    ALFWORLD_TASK_TYPES,
+    ContextSet,
+    InitialContext,
+    load_context_set,
+    proportional_allocation,
+    sample_proportionally,
+    save_context_set,
+    tokenize_contexts,
+)
+from experiments.speedup_protocol import (
+    FixedContextEnv,
+    ScheduleViolation,
+    TaskContext,
+    Workload,
+    calibrate_latencies,
+    check_schedule,
+    context_task,
+    make_batches,
+    parse_request_id,
+    peak_concurrency,
+    request_seed,
+    run_batch,
+    run_paired_point,
+    strategy_order,
+)
 from jaxopd.sampler.simulated import SimulatedEngine
+from jaxopd.sampler.types import Result, Timings
 
 
 def contexts(n, prompt_len=5):
@@ -168,7 +190,8 @@ def test_paired_point_alternates_order_and_shares_full_response_seeds():
     assert point.speedups == pytest.approx([point.speedups[0]] * 3)
     assert point.speedup_std == pytest.approx(0.0)
     r = point.repeats[0]
-    assert r.speedup == pytest.approx(sum(v.completion_time for v in r.vanilla) / sum(a.completion_time for a in r.actfirst))
+    assert r.speedup == pytest.approx(sum(v.completion_time for v in r.vanilla)
+                                      / sum(a.completion_time for a in r.actfirst))
     # full responses: identical (prompt, seed, length) multisets under both strategies in every repeat
     fulls = collections.defaultdict(collections.Counter)
     for req in engine.requests:
@@ -183,6 +206,62 @@ def test_paired_point_alternates_order_and_shares_full_response_seeds():
     assert {req.params.max_new_tokens for req in engine.requests if req.kind == "fast"} == {16}
     assert {req.params.max_new_tokens for req in engine.requests if req.kind == "full"} == {32}
 
+
+
+def test_batches_are_played_by_the_rollout_strategies_on_fixed_contexts():
+    """run_batch drives VanillaStrategy / ActFirstStrategy over FixedContextEnv: every turn re-sends the context's
+    own prompt of its kind, with the strategies' seeds, and the trajectories hold N x T training responses."""
+    ctx = [TaskContext(index=10 + i, context_id=f"ctx{i}", task_type="pick_and_place_simple",
+                       full_prompt_ids=(1, 2, 3 + i), fast_prompt_ids=(4, 5 + i)) for i in range(3)]
+    for strategy in ("vanilla", "actfirst"):
+        engine = RecordingEngine({"fast": 1.0, "full": 3.0})
+        run = run_batch(engine, strategy, ctx, 4, Workload(fast_tokens=5, full_tokens=9), b_max=4, base_seed=3,
+                        tag="s", check_events=True)
+        assert run.num_samples == 3 * 4
+        for req in engine.requests:
+            _, task, turn, kind = parse_request_id(req.request_id)
+            assert tuple(req.prompt_ids) == ctx[task].prompt_ids(kind)
+            assert req.params.seed == request_seed(3, ctx[task].index, turn, kind)
+            assert req.params.min_new_tokens == req.params.max_new_tokens == (5 if kind == "fast" else 9)
+            assert req.params.stop_strings == ()
+        assert len(engine.requests) == 3 * 4 * (1 if strategy == "vanilla" else 2)
+    env = FixedContextEnv()
+    first = env.reset(context_task(ctx[0], 0))
+    assert [env.step("").text for _ in range(3)] == [first.text] * 3 and not env.step("look").done
+
+
+def test_calibration_measures_the_first_turns_requests():
+    engine = RecordingEngine({"fast": 1.0, "full": 3.0})
+    run_batch(engine, "actfirst", contexts(2), 1, Workload(), b_max=4, base_seed=5)
+    played = {(r.kind, tuple(r.prompt_ids), r.params) for r in engine.requests}
+    engine.requests.clear()
+    calibrate_latencies(engine, contexts(2), Workload(), full_token_lengths=(128,), measurements=1, base_seed=5)
+    assert {(r.kind, tuple(r.prompt_ids), r.params) for r in engine.requests} == played
+
+
+class ShortEngine:
+    """A real-time engine (not a virtual clock) answering every request at once, one token short."""
+
+    def __init__(self):
+        self.max_concurrency = 1
+        self.events = []
+
+    def submit(self, request):
+        n = request.params.max_new_tokens - 1
+        future = Future()
+        future.set_result(Result(request_id=request.request_id, kind=request.kind,
+                                 prompt_ids=tuple(request.prompt_ids), token_ids=[0] * n, text="",
+                                 logprobs=np.zeros(n, np.float32), finish_reason="stop",
+                                 timings=Timings(0.0, 0.0, 0.0, 0.0)))
+        return future
+
+    def wait_idle(self, timeout=None):
+        return True
+
+
+def test_a_request_of_the_wrong_length_fails_the_batch():
+    with pytest.raises(RuntimeError, match="the protocol fixes 16"):
+        run_batch(ShortEngine(), "actfirst", contexts(2), 2, Workload(), b_max=2)
 
 def test_request_seeds_depend_on_context_turn_and_kind_only():
     seeds = {request_seed(0, c, t, k) for c in range(5) for t in range(5) for k in ("fast", "full")}

@@ -1,15 +1,24 @@
-"""EnvPool: concurrency, per-slot ordering, timeouts and crash recovery, on a deterministic fake TextEnv."""
+"""EnvPool: concurrency, per-slot ordering, timeouts and crash recovery, on deterministic fake TextEnvs,
+in threads and in worker processes."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import hashlib
+import os
+import signal
+import tempfile
 import threading
 import time
 
+import numpy as np
 import pytest
+from fake_envs import ScriptedEnv
+from fake_envs import sequential_texts as scripted_texts
 
 from envs.base import EnvError, Observation, Task, TextEnv
-from envs.pool import EnvPool, EnvTimeoutError
+from envs.pool import EngineBusyError, EnvPool, EnvTimeoutError, default_backend
 
 
 def fake_task(i: int) -> Task:
@@ -115,10 +124,10 @@ class Faults:
         with self.lock:
             return self.planned.pop((task_id, turn), None)
 
-    def factory(self, latency_s=0.0, salts=None):
+    def factory(self, latency_s=0.0, salts=None, env_class=None):
         def build():
             salt = salts.pop(0) if salts else ""
-            env = FakeEnv(self, latency_s, salt)
+            env = (env_class or FakeEnv)(self, latency_s, salt)
             self.instances.append(env)
             return env
         return build
@@ -371,3 +380,213 @@ def test_default_replay_check_uses_the_benchmark_normal_form(faults):
         changed.reset(0, fake_task(0))                                # another object: not the same state
         for action in ACTIONS[:3]:
             changed.step(0, action)
+
+
+# ------------------------------------------------------------------------- closing, timeouts, inputs
+
+
+def _race_submits_against_close(pool: EnvPool, pause_s: float):
+    """Two threads submit steps as fast as they can while close() runs; returns what they got."""
+    futures: list[concurrent.futures.Future] = []
+    refused: list[BaseException] = []
+    go = threading.Event()
+
+    def submitter(slot):
+        go.wait()
+        for _ in range(30):
+            try:
+                futures.append(pool.submit_step(slot, "act 0"))
+            except Exception as error:  # noqa: BLE001 - EnvError("pool closed") or, before the fix, RuntimeError
+                refused.append(error)
+
+    threads = [threading.Thread(target=submitter, args=(slot,)) for slot in (0, 1)]
+    for thread in threads:
+        thread.start()
+    go.set()
+    time.sleep(pause_s)
+    pool.close()
+    for thread in threads:
+        thread.join(10)
+    return futures, refused
+
+
+def test_submit_racing_close_never_loses_a_future(faults):
+    """Issue 15.12: submits racing close() either raise EnvError("pool closed") or return a future that ends."""
+    unfinished, bad_endings = 0, []
+    for attempt in range(100):
+        pool = EnvPool(faults.factory(), 2, max_workers=2)
+        pool.reset(0, fake_task(0))
+        pool.reset(1, fake_task(1))
+        futures, refused = _race_submits_against_close(pool, 0.0002 * (attempt % 5))
+        done, not_done = concurrent.futures.wait(futures, timeout=5)
+        unfinished += len(not_done)
+        endings = refused + [f.exception() for f in done if f.exception() is not None]
+        bad_endings += [e for e in endings if not (isinstance(e, EnvError) and "pool closed" in str(e))]
+    assert unfinished == 0 and bad_endings == []
+
+
+class LockedEnv(FakeEnv):
+    """Like ALFWorld in threads: every call of every instance holds one process-wide engine lock."""
+
+    call_lock = threading.RLock()
+
+    def reset(self, task):
+        with self.call_lock:
+            return super().reset(task)
+
+    def step(self, action):
+        with self.call_lock:
+            return super().step(action)
+
+
+class BusyEnv(LockedEnv):
+    call_lock = threading.RLock()
+
+
+def test_timeout_counts_the_call_not_the_wait_for_a_shared_engine_lock(faults):
+    """Issue 15.13: six slots resetting at once behind one engine lock, timeout 3x one reset: none times out."""
+    latency = 0.2
+    with EnvPool(faults.factory(latency, env_class=LockedEnv), 6, call_timeout_s=3 * latency, max_retries=0) as pool:
+        futures = [pool.submit_reset(slot, fake_task(slot)) for slot in range(6)]
+        observations = [future.result() for future in futures]
+        assert [o.text for o in observations] == [sequential_texts(fake_task(s), [])[0] for s in range(6)]
+        assert pool.recoveries == 0
+    assert len(faults.instances) == 6 and faults.overlaps == 0
+
+
+def test_a_call_that_cannot_get_its_engine_never_runs_and_keeps_the_env(faults):
+    with EnvPool(faults.factory(env_class=BusyEnv), 1, call_timeout_s=0.2) as pool:
+        pool.reset(0, fake_task(0))
+        with BusyEnv.call_lock:                     # another user holds the engine past every bound
+            with pytest.raises(EngineBusyError, match="could not start"):
+                pool.step(0, "act 0")
+        assert pool.step(0, "act 1").text == sequential_texts(fake_task(0), ["act 1"])[-1]
+        assert pool.recoveries == 0 and len(faults.instances) == 1
+        assert faults.instances[0].calls == [("reset", fake_task(0).task_id), ("step", "act 1")]
+
+
+def test_slots_and_counts_are_ints_not_bools(faults):
+    """Issue 15.19: slot True is not slot 1, while numpy's integers are slots."""
+    with EnvPool(faults.factory(), 2) as pool:
+        assert pool.reset(np.int64(1), fake_task(1)).text == sequential_texts(fake_task(1), [])[0]
+        assert pool.step(np.int32(1), "act 0").turn == 1
+        assert pool.trajectory(np.int64(1)).slot == 1
+        for bad in (True, False, 1.0, "0", None):
+            with pytest.raises(ValueError, match="slot must be an int"):
+                pool.submit_step(bad, "act 0")
+    for bad in (True, 2.0, "2"):
+        with pytest.raises(ValueError, match="num_slots"):
+            EnvPool(faults.factory(), bad)
+    with pytest.raises(ValueError, match="max_retries"):
+        EnvPool(faults.factory(), 1, max_retries=True)
+    with pytest.raises(ValueError, match="call_timeout_s"):
+        EnvPool(faults.factory(), 1, call_timeout_s=True)
+
+
+# ------------------------------------------------------------------------------ the process backend
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_backend_is_chosen_per_benchmark():
+    from envs.alfworld import AlfWorldEnv
+    from envs.scienceworld import ScienceWorldEnv
+
+    assert default_backend(functools.partial(AlfWorldEnv, "/games")) == "process"
+    assert default_backend(AlfWorldEnv) == "process"
+    assert default_backend(functools.partial(functools.partial(ScienceWorldEnv), max_restarts=0)) == "thread"
+    assert default_backend(lambda: AlfWorldEnv("/games")) == "thread"     # a lambda cannot reach a process
+    with pytest.raises(ValueError, match="picklable"):
+        EnvPool(lambda: ScriptedEnv(), 1, backend="process")
+    with pytest.raises(ValueError, match="never 'fork'"):
+        EnvPool(ScriptedEnv, 1, backend="process", start_method="fork")
+    with pytest.raises(ValueError, match="backend must be"):
+        EnvPool(ScriptedEnv, 1, backend="processes")
+
+
+def test_worker_processes_give_the_thread_observations(faults):
+    """Three slots on two worker processes (slots 0 and 2 share one): same texts as a sequential run."""
+    with EnvPool(ScriptedEnv, 3, backend="process", max_workers=2) as pool:
+        assert pool.backend == "process" and pool.max_workers == 2
+        for future in [pool.submit_reset(s, fake_task(s)) for s in range(3)]:
+            future.result()
+        futures = {s: [pool.submit_step(s, a) for a in ACTIONS] for s in range(3)}
+        for slot, slot_futures in futures.items():
+            assert [f.result().text for f in slot_futures] == scripted_texts(fake_task(slot), ACTIONS)[1:]
+            trajectory = pool.trajectory(slot)
+            assert [o.text for o in trajectory.observations] == scripted_texts(fake_task(slot), ACTIONS)
+            assert trajectory.recoveries == 0
+        pids = [pool.trajectory(s).observations[-1].info["pid"] for s in range(3)]
+        assert pids[0] == pids[2] != pids[1] and sorted(set(pids)) == sorted(pool.worker_pids)
+        assert os.getpid() not in pids
+        with pytest.raises(ValueError, match="episode is over"):       # bad input crosses the process as is
+            pool.step(0, "act 0")
+        assert pool.recoveries == 0
+
+
+def test_killed_worker_process_is_replayed_for_each_of_its_slots():
+    with EnvPool(ScriptedEnv, 3, backend="process", max_workers=2) as pool:
+        for slot in range(3):
+            pool.reset(slot, fake_task(slot))
+            for action in ACTIONS[:2]:
+                pool.step(slot, action)
+        victim = pool.worker_pids[pool.worker_of(0)]
+        os.kill(victim, signal.SIGKILL)
+        assert _wait_until(lambda: not _alive(victim))
+        for slot in range(3):
+            for action in ACTIONS[2:]:
+                pool.step(slot, action)
+            trajectory = pool.trajectory(slot)
+            assert trajectory.actions == tuple(ACTIONS)
+            assert [o.text for o in trajectory.observations] == scripted_texts(fake_task(slot), ACTIONS)
+        assert [pool.trajectory(s).recoveries for s in range(3)] == [1, 0, 1]     # slots 0 and 2 lived there
+        assert victim not in pool.worker_pids and all(_alive(p) for p in pool.worker_pids)
+
+
+def test_hung_call_in_a_worker_is_stopped_not_left_running():
+    """Issue 15.13: an abandoned call does not run on; its worker process is stopped and the slot replayed."""
+    with EnvPool(ScriptedEnv, 1, backend="process", max_workers=1, call_timeout_s=1.0, max_retries=0) as pool:
+        pool.reset(0, fake_task(0))
+        pool.step(0, "act 0")
+        hung = pool.worker_pids[0]
+        start = time.perf_counter()
+        with pytest.raises(EnvTimeoutError, match="did not return within 1 s"):
+            pool.step(0, "hang")
+        assert time.perf_counter() - start < 5
+        assert _wait_until(lambda: not _alive(hung), 5)
+        assert pool.step(0, "act 1").text == scripted_texts(fake_task(0), ["act 0", "act 1"])[-1]
+        assert pool.trajectory(0).recoveries == 1 and pool.worker_pids[0] != hung
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_close_leaves_no_worker_thread_or_temp_folder(backend):
+    time.sleep(0.1)
+    threads_before = set(threading.enumerate())
+    temp_before = set(os.listdir(tempfile.gettempdir()))
+    pool = EnvPool(ScriptedEnv, 3, backend=backend, max_workers=2, call_timeout_s=30)
+    run_pool_episodes(pool, 3, ACTIONS[:2])
+    pids = [p for p in pool.worker_pids if p is not None]
+    assert len(pids) == (2 if backend == "process" else 0)
+    pool.close()
+    pool.close()
+    assert not any(_alive(pid) for pid in pids)
+    assert _wait_until(lambda: set(threading.enumerate()) <= threads_before, 5), \
+        [t.name for t in set(threading.enumerate()) - threads_before]
+    assert set(os.listdir(tempfile.gettempdir())) - temp_before == set()
+    with pytest.raises(EnvError, match="pool closed"):
+        pool.submit_reset(0, fake_task(0))

@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from envs import references as refs
@@ -93,6 +94,28 @@ def test_reference_trajectory_api_and_json():
         refs.ReferenceTrajectory.from_json({**ref.to_json(), "format": 0})
     with pytest.raises(ValueError, match="does not exist"):
         refs.load_references("/nonexistent/references")
+
+
+def test_reference_flags_and_turns_are_typed(tmp_path):
+    """Issue 15.19: "done": "False" in a cache file is not a finished episode; turn True is not turn 1."""
+    records = (refs.ReferenceObservation(text="o1"), refs.ReferenceObservation(text="o2", done=True, won=True))
+    ref = refs.ReferenceTrajectory("toy/0", ("a1",), ("o1", "o2"), benchmark="toy", records=records)
+    data = ref.to_json()
+    for field, value in (("done", "False"), ("done", 0), ("won", "true"), ("done", None), ("score", "1")):
+        broken = {**data, "records": [{**data["records"][0], field: value}, data["records"][1]]}
+        with pytest.raises(ValueError, match=field):
+            refs.ReferenceTrajectory.from_json(broken)
+        path = tmp_path / f"{field}-{value}.ref.json"
+        path.write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match="unreadable reference file"):
+            refs.load_reference(path)
+    with pytest.raises(ValueError, match="admissible_actions"):
+        refs.ReferenceObservation(text="o", admissible_actions="look around")     # not letter by letter
+    assert refs.ReferenceObservation(text="o", done=np.bool_(True)).done is True
+    assert ref.next_observation(np.int64(1)) == "o2" and ref.action(np.int32(1)) == "a1"
+    for turn in (True, 1.0, "1"):
+        with pytest.raises(ValueError, match="turn must be an int"):
+            ref.next_observation(turn)
 
 
 def test_build_references_argument_errors(tmp_path):

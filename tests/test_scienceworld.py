@@ -14,8 +14,14 @@ import pytest
 
 from envs.base import EnvError, Task
 from envs.checks import normalize_scienceworld_observation
-from envs.scienceworld import (SCIENCEWORLD_TRAIN_TASK_TYPES, SCIENCEWORLD_VARIATIONS, ScienceWorldEnv,
-                               scienceworld_split, scienceworld_task, scienceworld_tasks)
+from envs.scienceworld import (
+    SCIENCEWORLD_TRAIN_TASK_TYPES,
+    SCIENCEWORLD_VARIATIONS,
+    ScienceWorldEnv,
+    scienceworld_split,
+    scienceworld_task,
+    scienceworld_tasks,
+)
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="ScienceWorld needs a Java runtime")
 BOIL = scienceworld_task("boil", 0)
@@ -84,6 +90,35 @@ def test_bad_input_without_starting_a_jvm():
         env.reset(BOIL)
 
 
+def test_unchecked_arguments_are_rejected_without_a_jvm():
+    """Issue 15.16: an unknown simplification or a non-integer variation fails at once, naming the value."""
+    with pytest.raises(ValueError, match="unknown ScienceWorld simplification 'hard'"):
+        ScienceWorldEnv(simplification="hard")
+    with pytest.raises(ValueError, match="unknown ScienceWorld simplification"):
+        scienceworld_task("boil", 0, simplification="easy,fast")
+    with pytest.raises(ValueError, match="needs electrical actions"):
+        scienceworld_task("power-component", 0, simplification="noElectricalAction")
+    assert scienceworld_task("boil", 0, simplification="openDoors,teleportAction").payload["simplification"] == \
+        "openDoors,teleportAction"
+    for variation in (1.5, 1.0, True, "1", None):
+        with pytest.raises(ValueError, match="variation"):
+            scienceworld_task("boil", variation)
+    import numpy as np
+    assert scienceworld_task("boil", np.int64(3)).payload["variation"] == 3
+    env = ScienceWorldEnv()
+    try:
+        for payload, match in (({"task_name": "boil", "variation": 1.5}, "must be an int"),
+                               ({"task_name": "boil", "variation": 0, "simplification": "hard"}, "simplification"),
+                               ({"task_name": "boil", "variation": 30}, "out of range")):
+            with pytest.raises(ValueError, match=match):
+                env.reset(Task("scienceworld", "train", "scienceworld/train/x", "boil", payload))
+        with pytest.raises(ValueError, match="max_restarts"):
+            ScienceWorldEnv(max_restarts=1.5)
+        assert env.jvm_pid is None
+    finally:
+        env.close()
+
+
 # ---- real engine --------------------------------------------------------------------------------
 
 @needs_java
@@ -105,21 +140,58 @@ def test_boil_gold_path_reaches_score_100_and_success(sw_env, boil_gold):
     observations = [first]
     listed = []
     for action in boil_gold:
+        if observations[-1].done:
+            break
         listed.append(action in observations[-1].admissible_actions)
         observations.append(sw_env.step(action))
     # The engine accepts aliases its valid-action list does not spell ("examine X", "use thermometer in
     # inventory on ..."), and no-ops ("open door to kitchen" when it is already open) are not listed.
-    assert [i for i, ok in enumerate(listed) if not ok] == [0, 13] + list(range(16, 38))
+    assert [i for i, ok in enumerate(listed) if not ok] == [0, 13] + list(range(16, 36))
     assert [o.last_action_valid for o in observations[1:]] == listed
     last = observations[-1]
-    assert last.turn == 39 and last.score == 100.0 and last.won and last.done
+    # the task is complete at turn 36; the gold path's last three steps come after completion
+    assert last.turn == 36 and last.score == 100.0 and last.won and last.done
     scores = [o.score for o in observations]
     assert scores == sorted(scores)                                      # max reached: never decreases
     assert [(o.turn, o.score) for o in observations if o.reward > 0] == [
         (9, 3.0), (12, 70.0), (15, 72.0), (16, 73.0), (22, 75.0), (36, 100.0)]
     assert all(o.won == (o.score >= 99.999) for o in observations)
-    invalid = sw_env.step("fly to the moon")
-    assert not invalid.last_action_valid and invalid.score == 100.0 and invalid.turn == 40
+    with pytest.raises(ValueError, match="is over"):      # issue 15.17: as ALFWorld, no step after done
+        sw_env.step(boil_gold[36])
+
+
+@needs_java
+def test_normalised_action_is_sent_in_the_engine_spelling(sw_env):
+    """Issue 15.14: an action admissible after NFKC/case/space normalisation is executed, not refused."""
+    sw_env.reset(BOIL)
+    reference = sw_env.step("look around")
+    assert reference.last_action_valid and "No known action" not in reference.text
+    for spelling in ("look\u00a0around", "\uff4c\uff4f\uff4f\uff4b \uff41\uff52\uff4f\uff55\uff4e\uff44",
+                     "  LOOK   Around "):
+        observation = sw_env.step(spelling)
+        assert observation.last_action_valid, spelling
+        assert normalize_scienceworld_observation(observation.text) == \
+            normalize_scienceworld_observation(reference.text), spelling
+    invalid = sw_env.step("fly to the moon")                     # not admissible: sent as is, as before
+    assert not invalid.last_action_valid and invalid.text.startswith("No known action matches that input")
+    assert invalid.turn == 5
+
+
+@needs_java
+def test_text_the_engine_cannot_receive_is_bad_input_not_a_crash(sw_env):
+    """Issue 15.15: a lone surrogate is a ValueError before the JVM; the healthy JVM is neither killed nor restarted."""
+    sw_env.reset(BOIL)
+    pid, restarts = sw_env.jvm_pid, sw_env.restarts
+    start = time.perf_counter()
+    for text in ("look around\ud800", "\udc80"):
+        with pytest.raises(ValueError, match="not valid text"):
+            sw_env.step(text)
+    with pytest.raises(ValueError, match="unknown ScienceWorld task type"):      # every text sent is checked
+        sw_env.reset(Task("scienceworld", "train", "x", "boil", {"task_name": "boil\ud800", "variation": 0}))
+    assert time.perf_counter() - start < 3
+    assert (sw_env.jvm_pid, sw_env.restarts) == (pid, restarts) and _pid_alive(pid)
+    sw_env.reset(BOIL)
+    assert sw_env.step("look around").turn == 1
 
 
 def _play(env: ScienceWorldEnv, task: Task, actions) -> list:

@@ -7,8 +7,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from jaxopd.models.qwen3 import Qwen3Config, abstract_model
-from jaxopd.models.sharding import (QWEN3_LOGICAL_AXES, ShardingRules, loader_sharding, logical_partition_spec, named_shardings,
-                                    partition_specs, shard_model)
+from jaxopd.models.sharding import (QWEN3_LOGICAL_AXES, ShardingRules, loader_sharding, logical_partition_spec,
+                                    named_shardings, partition_specs, shard_model)
 
 TINY = Qwen3Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
                    vocab_size=64, dtype="float32", param_dtype="float32")

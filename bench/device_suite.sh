@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One prepared run of every GPU check and measurement, for a lent accelerator machine (one H200 here).
+# Writes logs and JSON into $OUT (default results/bench/h200-run); each part has its own time limit so a slow
+# part cannot starve the others, and partial JSON is written as it goes.
+#
+#   OUT=results/bench/h200 bash bench/device_suite.sh
+#
+# Parts: (1) the machine; (2) Qwen3-1.7B bf16 decode against the memory roofline, pallas-gpu and reference
+# attention, batch 1/64/256, with the device-idle share (issues 12 and 16); (3) the engine's host overhead with a
+# negligible model (issue 16); (4) the kernel tests compiled for the GPU (issue 12).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/bench/h200-run}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+T_THROUGHPUT=${T_THROUGHPUT:-250}
+T_OVERHEAD=${T_OVERHEAD:-80}
+T_TESTS=${T_TESTS:-90}
+
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc;
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices())"; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+echo "== Qwen3-1.7B bf16 decode vs roofline"
+timeout "$T_THROUGHPUT" python3 bench/sampler_throughput.py --model qwen3-1.7b --random-init --dtype bfloat16 \
+  --batches 1 64 256 --prompt-len 200 --new-tokens 64 --repeats 2 --no-warmup --backend pallas-gpu reference \
+  --out "$OUT/sampler_throughput_qwen3-1.7b.json" 2>&1 | tee "$OUT/sampler_throughput.log" | grep -v Warning
+
+echo "== engine host overhead, negligible model"
+timeout "$T_OVERHEAD" python3 bench/engine_overhead.py --label after-h200 \
+  --out "$OUT/engine_overhead.json" 2>&1 | tee "$OUT/engine_overhead.log" | tail -12
+
+echo "== kernel tests on the GPU"
+timeout "$T_TESTS" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_pallas.py tests/test_kernels.py \
+  2>&1 | tee "$OUT/test_kernels.log" | tail -5
+ls -la "$OUT"
