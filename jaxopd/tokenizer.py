@@ -192,7 +192,9 @@ class Tokenizer(abc.ABC):
 
     @abc.abstractmethod
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text of ``ids``; with ``skip_special_tokens`` the special tokens (not ``<think>`` etc.) are dropped."""
+        """Text of ``ids``; with ``skip_special_tokens`` the special tokens (not ``<think>`` etc.) are dropped.
+        Ids the tokenizer has no text for (>= ``vocab_size``, e.g. an embedding's padding rows) decode to "",
+        as Hugging Face's fast tokenizers do; negative ids raise ``ValueError``."""
 
     @abc.abstractmethod
     def token_to_id(self, token: str) -> int:
@@ -316,13 +318,14 @@ class Qwen3Tokenizer(Tokenizer):
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``. Ids with no text (>= 151,669: the padding rows 151,669..151,935 of Qwen3's
+        embedding, which a model with random or barely trained weights does sample) decode to "", as in Qwen's
+        own Hugging Face (fast) tokenizer, which skips ids it has no token for; negative ids raise ValueError."""
         id_list = [int(i) for i in ids]
         for token_id in id_list:
-            if not 0 <= token_id < QWEN3_VOCAB_SIZE:
-                raise ValueError(
-                    f"token id {token_id} is outside the Qwen3 vocabulary [0, {QWEN3_VOCAB_SIZE}) "
-                    f"(embedding rows {QWEN3_VOCAB_SIZE}..{QWEN3_EMBEDDING_ROWS - 1} are padding, not tokens)"
-                )
+            if token_id < 0:
+                raise ValueError(f"token id {token_id} is negative: token ids are >= 0")
+        id_list = [i for i in id_list if i < QWEN3_VOCAB_SIZE]
         if skip_special_tokens:
             id_list = [i for i in id_list if i not in self._special_ids]
         # Decode runs of base tokens as bytes (a character may span tokens); added tokens as their text.
@@ -493,13 +496,14 @@ class HFTokenizer(Tokenizer):
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; ids the vocabulary lacks (an embedding's padding rows) decode to "" (the
+        ``tokenizers`` library skips them), negative ids raise ValueError."""
         id_list = [int(i) for i in ids]
         for token_id in id_list:
-            if not 0 <= token_id < self.vocab_size:
-                raise ValueError(
-                    f"token id {token_id} is outside the vocabulary [0, {self.vocab_size}) of {self.folder}"
-                )
-        return self._tokenizer.decode(id_list, skip_special_tokens=skip_special_tokens)
+            if token_id < 0:
+                raise ValueError(f"token id {token_id} is negative: token ids are >= 0")
+        return self._tokenizer.decode([i for i in id_list if i < self.vocab_size],
+                                      skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int:
         if token in self._added_vocab:

@@ -242,7 +242,8 @@ def test_sampling_distribution_with_top_k_and_top_p():
     tokens, logprobs = jax.jit(sample_tokens)(rows, jnp.ones(n), top_p, top_k,
                                               jnp.arange(n, dtype=jnp.uint32), jnp.full(n, 17, jnp.int32))
     tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
-    expected = {0: [0.4, 0.3, 0.15, 0.1, 0.05], 1: [4 / 7, 3 / 7, 0, 0, 0], 2: [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0]}
+    expected = {0: [0.4, 0.3, 0.15, 0.1, 0.05], 1: [4 / 7, 3 / 7, 0, 0, 0],
+                2: [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0]}
     for kind, probs in expected.items():
         freq = np.bincount(tokens[kinds == kind], minlength=5) / (kinds == kind).sum()
         np.testing.assert_allclose(freq, probs, atol=0.02)
@@ -364,7 +365,7 @@ def test_two_level_vocabulary_scans_match_plain_ones():
                                                jnp.array([1.0, 0.5, 0.95, 1.0, 0.3])) > 0)
         order = np.argsort(-np.asarray(logp), -1)
         sorted_p = np.take_along_axis(np.exp(np.asarray(logp)), order, -1)
-        n_p = lambda row, p: int(np.sum(np.cumsum(sorted_p[row]) - sorted_p[row] < p))
+        n_p = lambda row, p, sorted_p=sorted_p: int(np.sum(np.cumsum(sorted_p[row]) - sorted_p[row] < p))
         expected_kept = np.array([min(3, vocab), n_p(1, 0.5), n_p(2, 0.95), 1, min(5, n_p(4, 0.3))])
         assert np.all(np.abs(kept.sum(-1) - expected_kept) <= 1)   # float32 mass sums may differ by a token
         assert n_p(2, 0.95) > 1

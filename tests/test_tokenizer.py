@@ -137,10 +137,14 @@ def test_skip_special_tokens_keeps_think_and_tool_markers(tok):
     assert tok.decode(ids) == text
 
 
-def test_decode_rejects_ids_outside_vocabulary(tok):
-    with pytest.raises(ValueError, match="outside the Qwen3 vocabulary"):
-        tok.decode([151669])
-    with pytest.raises(ValueError, match="outside the Qwen3 vocabulary"):
+def test_decode_skips_ids_without_text_like_hf(tok):
+    """Ids past the vocabulary (the embedding's padding rows 151,669..151,935, which a random model samples)
+    decode to "", as in Qwen's Hugging Face fast tokenizer (see the parity test below); negative ids raise."""
+    hello = tok.encode("Hello world!")
+    assert tok.decode([151669] + hello + [151935, 151700]) == "Hello world!"
+    assert tok.decode(list(range(151669, 151936))) == ""
+    assert tok.decode(hello + [151_936, 10 ** 9], skip_special_tokens=True) == "Hello world!"
+    with pytest.raises(ValueError, match="negative"):
         tok.decode([-1])
 
 
@@ -291,6 +295,8 @@ def test_hf_tokenizer_matches_on_200_strings(tok, hf_tok):
     for token, token_id in ALL_QWEN3_ADDED_TOKENS.items():
         assert hf_tok.token_to_id(token) == token_id
     assert hf_tok.token_to_id(" world") == 1879
+    padded = [151669] + tok.encode("Hello world!") + [151700, 151935]        # embedding padding rows
+    assert hf_tok.hf_tokenizer.decode(padded) == hf_tok.decode(padded) == tok.decode(padded) == "Hello world!"
 
 
 @pytest.mark.parametrize("enable_thinking", [True, False])

@@ -1,7 +1,10 @@
 """Shape buckets of the sampler's jitted steps: pure functions of the engine's limits.
 
-Owns which padded shapes exist (decode rows × page window, prefill rows × chunk length) and the rounding of
-a batch up to its bucket. Fixed at engine construction, so after ``warmup`` nothing compiles. Plain Python.
+Owns which padded shapes exist (decode rows × page window, prefill rows × chunk length), the rounding of a
+batch up to its bucket (``decode_shape``, ``prefill_shape``) and the prefill budget on the padded batch
+(``prefill_fits``). The scheduler builds prefill batches with ``prefill_fits`` and the executor warms up
+``decode_shapes()`` / ``prefill_shapes()``, which are the images of those same functions, so every shape a
+step can use is compiled by ``warmup``. Fixed at engine construction. Plain Python.
 """
 from __future__ import annotations
 
@@ -28,15 +31,26 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def _smallest_in_each(buckets: Sequence[int]) -> list[int]:
+    """The smallest n that rounds up to each bucket: 1, then one more than the previous bucket."""
+    return [1] + [b + 1 for b in buckets[:-1]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """Padded shapes of the jitted functions. decode: rows × page-window; prefill: rows × chunk length."""
+    """Padded shapes of the jitted functions. decode: rows × page-window; prefill: rows × chunk length.
+
+    ``max_prefill_tokens`` bounds a prefill batch *after padding* (rows bucket × length bucket), so the
+    activation memory of a prefill step never exceeds it; a single row always fits (a chunk is never split
+    below ``prefill_chunk`` for padding).
+    """
 
     decode_rows: tuple[int, ...]
     decode_pages: tuple[int, ...]
     prefill_rows: tuple[int, ...]
     prefill_lengths: tuple[int, ...]
     max_pages_per_seq: int
+    max_prefill_tokens: int
 
     @classmethod
     def make(cls, *, max_slots: int, max_seq_len: int, page_size: int, prefill_chunk: int,
@@ -47,12 +61,39 @@ class Buckets:
         rows = tuple(sorted({r for r in (1, 4, 16, 64) if r < max_rows} | {max_rows}))
         return cls(decode_rows=_powers_of_two(min(8, max_slots), max_slots),
                    decode_pages=_powers_of_two(min(4, max_pages), max_pages),
-                   prefill_rows=rows, prefill_lengths=lengths, max_pages_per_seq=max_pages)
+                   prefill_rows=rows, prefill_lengths=lengths, max_pages_per_seq=max_pages,
+                   max_prefill_tokens=max_prefill_tokens)
 
-    def prefill_shapes(self, max_prefill_tokens: int) -> list[tuple[int, int]]:
-        """(rows, length) pairs that fit the prefill token budget (one row always fits)."""
-        return [(r, n) for n in self.prefill_lengths for r in self.prefill_rows
-                if r == 1 or r * n <= max_prefill_tokens]
+    # ---------------------------------------------------------------------------------------- decode
+    def decode_shape(self, rows: int, pages: int) -> tuple[int, int]:
+        """The padded (rows, page window) of a decode step over ``rows`` sequences holding at most ``pages``."""
+        return bucket(rows, self.decode_rows), bucket(pages, self.decode_pages)
+
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        """Every shape ``decode_shape`` can return."""
+        return sorted({self.decode_shape(r, p) for r in _smallest_in_each(self.decode_rows)
+                       for p in _smallest_in_each(self.decode_pages)})
+
+    # ---------------------------------------------------------------------------------------- prefill
+    def prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
+        """The padded (rows, length) of a prefill step over ``rows`` chunks, the longest ``longest`` tokens."""
+        return bucket(rows, self.prefill_rows), bucket(longest, self.prefill_lengths)
+
+    def prefill_fits(self, rows: int, longest: int) -> bool:
+        """Whether a prefill batch of ``rows`` chunks, the longest ``longest`` tokens, fits once padded."""
+        if rows > self.prefill_rows[-1] or longest > self.prefill_lengths[-1]:
+            return False
+        padded_rows, padded_length = self.prefill_shape(rows, longest)
+        return rows == 1 or padded_rows * padded_length <= self.max_prefill_tokens
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every shape ``prefill_shape`` returns for a batch that ``prefill_fits``: the shapes warm-up compiles.
+
+        ``prefill_fits`` only gets harder as rows or length grow, so a padded shape is reachable iff the
+        smallest batch that pads to it fits; checking those covers every batch the scheduler can build.
+        """
+        return sorted({self.prefill_shape(r, n) for r in _smallest_in_each(self.prefill_rows)
+                       for n in _smallest_in_each(self.prefill_lengths) if self.prefill_fits(r, n)})
 
 
 __all__ = ["Buckets", "bucket"]

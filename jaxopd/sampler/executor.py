@@ -1,11 +1,13 @@
 """The sampler's device side: the jitted prefill / decode steps and the ``Executor`` that holds their state.
 
-Owns the model state and one KV cache per layer, donated through every call so updates are in place. The
+Owns the model state (and the check that a new state has the served model's paths, shapes and dtypes) and
+one KV cache per layer, donated through every call so updates are in place. The
 page layout, the KV write and the attention belong to the attention backend (``kernels.get_backend``): the
 executor only turns page tables and positions into logical write coordinates (page id, offset) and asks the
 backend. Token sampling is ``jaxopd.sampler.sampling``; shape buckets are ``jaxopd.sampler.buckets``. Every
-call is a pure function of padded arrays; which buckets exist is fixed at construction, so nothing compiles
-after ``warmup``.
+call is a pure function of padded arrays; which buckets exist is fixed at construction, and ``warmup``
+compiles exactly the shapes ``Buckets`` can produce, so nothing compiles afterwards. Not thread-safe: the
+engine calls it from one thread at a time.
 """
 from __future__ import annotations
 
@@ -118,6 +120,10 @@ def compiled_count() -> int:
 # ----------------------------------------------------------------------------------------------------------
 # The executor
 # ----------------------------------------------------------------------------------------------------------
+def _path_leaves(tree: Any) -> dict[str, Any]:
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 class Executor:
     """Holds the model state and the per-layer KV caches (laid out by ``attention_backend``); runs the jitted
     prefill and decode steps on host batches."""
@@ -126,16 +132,32 @@ class Executor:
                  attention_backend: str = "reference"):
         cfg = model.config
         self.config = cfg
+        self.num_pages = num_pages
         self.page_size = page_size
         self.buckets = buckets
         self.backend = kernels.get_backend(attention_backend)
         self.graphdef, self.state = nnx.split(model)
+        self._state_treedef = jax.tree.structure(self.state)
+        self._abstract_state = {path: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+                                for path, leaf in _path_leaves(self.state).items()}
         self.head_dv = None
         self._materialize_head = cfg.tie_word_embeddings and jax.default_backend() == "cpu"
         self.set_state(self.state)
+        self.kv = self._new_cache()
+
+    def _new_cache(self) -> list:
+        cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        self.kv = [self.backend.init_layer_cache(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-                   for _ in range(cfg.num_layers)]
+        return [self.backend.init_layer_cache(self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+                for _ in range(cfg.num_layers)]
+
+    def ensure_cache(self) -> bool:
+        """Re-create the KV caches if a failed step left them deleted (donated); True if it did. Every
+        sequence that had KV in them must then be recomputed (the engine fails the ones of the failed step)."""
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv) if hasattr(leaf, "is_deleted")):
+            self.kv = self._new_cache()
+            return True
+        return False
 
     def decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray]:
         s = batch.sampling
@@ -151,23 +173,56 @@ class Executor:
             batch.lengths, batch.page_table, s.temperature, s.top_p, s.top_k, s.seeds)
         return np.asarray(tokens), np.asarray(logprobs)
 
+    def check_state(self, state: Any) -> Any:
+        """``state`` as the served model's state, or ``ValueError`` naming the first mismatching path.
+
+        It must be an ``nnx.State`` (not the module: pass ``nnx.state(model)``) with the served model's paths,
+        and at each path an array of the same shape and dtype: anything else would fail in the step or
+        recompile it. Returns the same leaves under the served state's tree structure (so variable metadata
+        that differs, e.g. sharding annotations, cannot cause a recompilation).
+        """
+        if isinstance(state, nnx.Module):
+            raise ValueError(f"update_weights takes the model's parameters as an nnx.State (nnx.state(model) or "
+                             f"nnx.split(model)[1]), not the {type(state).__name__} module itself")
+        if not isinstance(state, nnx.State):
+            raise ValueError(f"update_weights takes an nnx.State of the served model, got {type(state).__name__}")
+        got = _path_leaves(state)
+        for path, expected in self._abstract_state.items():
+            if path not in got:
+                raise ValueError(f"new state lacks {path} (expected {expected.dtype}{list(expected.shape)}): "
+                                 "not the served model's architecture")
+            leaf = got[path]
+            shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+            if shape is None or dtype is None:
+                raise ValueError(f"new state has a {type(leaf).__name__} at {path}, expected an array "
+                                 f"{expected.dtype}{list(expected.shape)}")
+            if tuple(shape) != tuple(expected.shape):
+                raise ValueError(f"new state has shape {list(shape)} at {path}, expected {list(expected.shape)}")
+            if jnp.dtype(dtype) != expected.dtype:
+                raise ValueError(f"new state has dtype {jnp.dtype(dtype)} at {path}, expected {expected.dtype}")
+        extra = [path for path in got if path not in self._abstract_state]
+        if extra:
+            raise ValueError(f"new state has {extra[0]}, which the served model does not (e.g. an untied "
+                             f"output head or more layers): not the served model's architecture")
+        return jax.tree.unflatten(self._state_treedef, [got[path] for path in self._abstract_state])
+
     def set_state(self, state: Any) -> None:
-        """Swap in new weights (same structure, shapes and dtypes: no recompilation). On CPU a tied model
-        also keeps a ``[D, V]`` copy of its embedding for the logits matmul."""
+        """Swap in new weights (same structure, shapes and dtypes, see ``check_state``: no recompilation). On
+        CPU a tied model also keeps a ``[D, V]`` copy of its embedding for the logits matmul."""
         self.state = state
         if self._materialize_head:
             self.head_dv = _transposed_embedding(state)
 
-    def warmup(self, max_prefill_tokens: int) -> int:
-        """Compile every bucket with dummy work that writes only to the null page; returns the count."""
+    def warmup(self) -> int:
+        """Compile every bucket (``Buckets.decode_shapes`` / ``prefill_shapes``, the shapes the engine's steps
+        can take) with dummy work that writes only to the null page; returns the number of shapes."""
         n = 0
-        for rows in self.buckets.decode_rows:
-            for pages in self.buckets.decode_pages:
-                self.decode(DecodeBatch(np.zeros(rows, np.int32), np.zeros(rows, np.int32),
-                                        np.zeros((rows, pages), np.int32), np.zeros(rows, bool),
-                                        SamplingArrays.empty(rows)))
-                n += 1
-        for rows, length in self.buckets.prefill_shapes(max_prefill_tokens):
+        for rows, pages in self.buckets.decode_shapes():
+            self.decode(DecodeBatch(np.zeros(rows, np.int32), np.zeros(rows, np.int32),
+                                    np.zeros((rows, pages), np.int32), np.zeros(rows, bool),
+                                    SamplingArrays.empty(rows)))
+            n += 1
+        for rows, length in self.buckets.prefill_shapes():
             self.prefill(PrefillBatch(np.zeros((rows, length), np.int32), np.zeros(rows, np.int32),
                                       np.zeros(rows, np.int32),
                                       np.zeros((rows, self.buckets.max_pages_per_seq), np.int32),

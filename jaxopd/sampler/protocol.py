@@ -3,7 +3,8 @@
 Owns ``EngineProtocol`` (``submit`` → ``Future[Result]``, ``submit_async``, ``abort``, ``max_concurrency``,
 ``update_weights``, ``wait_idle``, ``events``), which the paged-KV ``Engine`` and the virtual-clock
 ``SimulatedEngine`` both satisfy, and ``EngineBase``, the part of that surface they share (the awaitable and
-batch forms of ``submit``, the context manager, the concurrency-cap check and the event log). Plain Python.
+batch forms of ``submit``, the context manager, the concurrency-cap and weight-version checks, the
+cancel-aborts hook and the event log). Plain Python.
 """
 from __future__ import annotations
 
@@ -11,15 +12,22 @@ import asyncio
 from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
-from jaxopd.sampler.types import EngineEvent, Request, Result
+from jaxopd.sampler.types import EngineEvent, Request, Result, is_int
 
 
 @runtime_checkable
 class EngineProtocol(Protocol):
-    """What every engine offers. ``submit`` validates the request (``ValueError`` for a bad one) and returns a
-    future resolved with its ``Result``; ``abort`` resolves it early (``finish_reason='abort'``);
-    ``max_concurrency`` is the cap b_max on admitted requests (settable at run time); ``update_weights``
-    swaps in new parameters between two steps; ``wait_idle`` blocks until nothing is queued or running;
+    """What every engine offers.
+
+    ``submit`` validates the request (``ValueError`` naming the bad field; ``RuntimeError`` once the engine
+    is stopped) and returns a future resolved with its ``Result``; ``Result.finish_reason`` is ``stop``,
+    ``length``, ``abort`` or ``error`` (a failure of that request alone, message in ``Result.error``).
+    ``abort`` resolves a request early (``finish_reason='abort'``); cancelling its future (``future.cancel()``,
+    or an ``asyncio`` timeout around ``submit_async``) aborts it too. ``max_concurrency`` is the cap b_max
+    on admitted requests (settable at run time; reading it returns the last value set).
+    ``update_weights(state, version=None)`` swaps in new parameters between two steps and sets the policy
+    version (``None``: the current one + 1; versions never decrease); every request records the versions
+    it ran under in ``Result.policy_versions``. ``wait_idle`` blocks until nothing is queued or running;
     ``events`` is the event log (empty unless the engine records events)."""
 
     events: list[EngineEvent]
@@ -41,7 +49,7 @@ class EngineProtocol(Protocol):
     def max_concurrency(self, value: int) -> None:
         ...
 
-    def update_weights(self, state: Any) -> None:
+    def update_weights(self, state: Any, version: int | None = None) -> None:
         ...
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -81,9 +89,28 @@ class EngineBase:
         self.stop()
 
     def _check_concurrency(self, value: int) -> int:
-        if not 1 <= value <= self.max_slots:
-            raise ValueError(f"max_concurrency must be in [1, max_slots={self.max_slots}], got {value}")
+        if not is_int(value) or not 1 <= value <= self.max_slots:
+            raise ValueError(f"max_concurrency must be in [1, max_slots={self.max_slots}] (an integer), got {value!r}")
         return int(value)
+
+    @staticmethod
+    def _next_version(current: int, version: int | None) -> int:
+        """The policy version an ``update_weights(state, version)`` sets, given the ``current`` one."""
+        if version is None:
+            return current + 1
+        if not is_int(version) or version < 0:
+            raise ValueError(f"version must be None (the current version + 1) or an integer >= 0, got {version!r}")
+        if version < current:
+            raise ValueError(f"version {version} would go back from the current policy version {current}: "
+                             "versions never decrease")
+        return int(version)
+
+    def _abort_if_cancelled(self, request_id: str):
+        """A done-callback for a request's future: a cancelled future aborts its request."""
+        def callback(future: Future) -> None:
+            if future.cancelled():
+                self.abort(request_id)
+        return callback
 
     def _record(self, event: str, request: Request, when: float) -> None:
         if self.record_events:

@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import math
 from concurrent.futures import Future
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -73,7 +73,12 @@ def scheduling_policy(policy: Policy) -> SchedulingPolicy:
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
-    """A request in flight. ``num_cached`` tokens of ``prompt + generated`` have their KV in the cache."""
+    """A request in flight. ``num_cached`` tokens of ``prompt + generated`` have their KV in the cache.
+
+    ``first_version`` / ``last_version``: weight versions of the first step that computed anything for it and
+    of the step that sampled its last token. ``resolved``: its future has been given its outcome (once).
+    ``detokenizer``: the engine's incremental text state, for stop strings (None when it has none).
+    """
 
     request: Request
     future: Future
@@ -90,6 +95,10 @@ class Sequence:
     admitted_at: float | None = None
     first_token_at: float | None = None
     num_preemptions: int = 0
+    first_version: int | None = None
+    last_version: int | None = None
+    resolved: bool = False
+    detokenizer: Any = None
 
     @property
     def tokens(self) -> list[int]:
@@ -99,14 +108,19 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.generated)
 
-    def result(self, reason: FinishReason, finished_at: float, text: str = "") -> Result:
+    def result(self, reason: FinishReason, finished_at: float, text: str = "", error: str | None = None) -> Result:
         """The ``Result`` of this sequence finishing now; stages it never reached take ``finished_at``."""
         admitted = self.admitted_at if self.admitted_at is not None else finished_at
         first = self.first_token_at if self.first_token_at is not None else finished_at
+        versions = None
+        if self.first_version is not None:
+            last = self.last_version if self.last_version is not None else self.first_version
+            versions = (self.first_version, last)
         return Result(request_id=self.request.request_id, kind=self.request.kind, prompt_ids=tuple(self.prompt),
                       token_ids=list(self.generated), text=text, logprobs=np.asarray(self.logprobs, np.float32),
                       finish_reason=reason, timings=Timings(self.submitted_at, admitted, first, finished_at),
-                      num_preemptions=self.num_preemptions)
+                      num_preemptions=self.num_preemptions, error=error, policy_versions=versions,
+                      seed=self.request.params.seed)
 
 
 @dataclasses.dataclass
@@ -121,10 +135,16 @@ class PrefillChunk:
 
 
 class Scheduler:
-    """Waiting and running sequences, slots and pages; ``policy`` orders admission (a name or a policy)."""
+    """Waiting and running sequences, slots and pages; ``policy`` orders admission (a name or a policy).
+
+    ``prefill_fits(rows, longest)``: whether a prefill batch of that many chunks, the longest that many
+    tokens, may run as one step (the engine passes ``Buckets.prefill_fits``, the padded-shape budget its
+    warm-up is built from); the real tokens of a batch never exceed ``max_prefill_tokens`` either.
+    """
 
     def __init__(self, *, max_slots: int, page_size: int, num_pages: int, policy: Policy,
-                 prefill_chunk: int, max_prefill_tokens: int, max_prefill_rows: int):
+                 prefill_chunk: int, max_prefill_tokens: int, max_prefill_rows: int,
+                 prefill_fits: Callable[[int, int], bool] | None = None):
         self.policy = scheduling_policy(policy)
         self.max_slots = max_slots
         self.max_concurrency = max_slots
@@ -132,6 +152,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.max_prefill_tokens = max_prefill_tokens
         self.max_prefill_rows = max_prefill_rows
+        self.prefill_fits = prefill_fits or (lambda rows, longest: True)
         self.allocator = PageAllocator(num_pages)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []          # admitted: prefill or decode, in admission order
@@ -172,16 +193,23 @@ class Scheduler:
         return admitted
 
     def prefill_chunks(self) -> list[PrefillChunk]:
-        """Chunks of prompts still to prefill, oldest admission first, within the token and row budget."""
-        chunks, budget = [], self.max_prefill_tokens
+        """Chunks of prompts still to prefill, oldest admission first, within the row and token budgets and
+        ``prefill_fits`` (the first chunk always runs, so prefill never stalls)."""
+        chunks: list[PrefillChunk] = []
+        budget, longest = self.max_prefill_tokens, 0
         for seq in self.running:
-            if seq.state != "prefill" or len(chunks) >= self.max_prefill_rows:
+            if seq.state != "prefill":
                 continue
+            if len(chunks) >= self.max_prefill_rows:
+                break
             length = min(self.prefill_chunk, seq.num_tokens - seq.num_cached, budget)
             if length <= 0:
                 break
+            if chunks and not self.prefill_fits(len(chunks) + 1, max(longest, length)):
+                break
             chunks.append(PrefillChunk(seq, seq.num_cached, length))
             budget -= length
+            longest = max(longest, length)
         return chunks
 
     def decode_sequences(self) -> list[Sequence]:

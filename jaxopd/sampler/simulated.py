@@ -6,14 +6,17 @@ for a deterministic service time. Admission, slots and the scheduling policy are
 the real types. Nothing runs on a device, no thread is started and KV memory is not modelled (each request
 holds one page of a pool sized so pages never bind): the simulation advances, in virtual seconds, inside
 ``wait_idle()``; future callbacks run there too and may submit more requests (as they may on the real
-engine's thread).
+engine's thread). Same contract as the real engine: validation at ``submit``, ``RuntimeError`` after
+``stop()``, a cancelled future aborts its request, ``update_weights(state, version)`` sets the policy version
+that ``Result.policy_versions`` records (at admission and at finish). No request can fail on the host here
+(nothing is decoded), so ``finish_reason`` is ``length`` or ``abort``.
 """
 from __future__ import annotations
 
 import itertools
 import math
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable, Mapping
 
 from jaxopd.sampler.protocol import EngineBase
@@ -53,6 +56,8 @@ class SimulatedEngine(EngineBase):
         self.events: list[EngineEvent] = []
         self.now = 0.0
         self.state: Any = None            # the last weights passed to update_weights (unused by the simulation)
+        self.policy_version = 0           # the version of the last update_weights
+        self._stopped = False
         # one page of max_seq_len tokens holds any request, and there is one per slot: pages never bind
         self.scheduler = Scheduler(max_slots=max_slots, page_size=max_seq_len, num_pages=max_slots + 1,
                                    policy=policy, prefill_chunk=max_seq_len, max_prefill_tokens=max_seq_len,
@@ -65,11 +70,13 @@ class SimulatedEngine(EngineBase):
 
     # ------------------------------------------------------------------ the engine surface
     def start(self) -> "SimulatedEngine":
+        self._stopped = False
         return self
 
     def stop(self) -> None:
-        """Fail every request still queued or running with ``RuntimeError``."""
+        """Fail every request still queued or running with ``RuntimeError``; later submits raise until ``start()``."""
         with self._lock:
+            self._stopped = True
             for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._release(seq)
                 if not seq.future.done():
@@ -90,20 +97,26 @@ class SimulatedEngine(EngineBase):
     def max_concurrency(self, value: int) -> None:
         self.scheduler.max_concurrency = self._check_concurrency(value)
 
-    def update_weights(self, state: Any) -> None:
-        """Keep ``state`` (the simulation's service times do not depend on weights)."""
-        self.state = state
+    def update_weights(self, state: Any, version: int | None = None) -> None:
+        """Keep ``state`` (the simulation's service times do not depend on weights) and set the policy version
+        (``None``: + 1; it never decreases)."""
+        with self._lock:
+            self.policy_version = self._next_version(self.policy_version, version)
+            self.state = state
 
     def submit(self, request: Request) -> Future:
-        request.validate(max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
-        work = self._service_time(request)
+        served = request.prepared(max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+        work = self._service_time(served)
         future: Future = Future()
         with self._lock:
-            seq = Sequence(request=request, future=future, arrival=next(self._arrival), submitted_at=self.now,
-                           prompt=[int(t) for t in request.prompt_ids])
+            if self._stopped:
+                raise RuntimeError("engine is stopped: call start() before submitting more requests")
+            seq = Sequence(request=served, future=future, arrival=next(self._arrival), submitted_at=self.now,
+                           prompt=list(served.prompt_ids))
             self._work[seq] = self._remaining[seq] = work
             self.scheduler.add(seq)
-            self._record("submit", request, self.now)
+            self._record("submit", served, self.now)
+        future.add_done_callback(self._abort_if_cancelled(served.request_id))
         return future
 
     def generate(self, requests: list[Request]) -> list[Result]:
@@ -126,6 +139,7 @@ class SimulatedEngine(EngineBase):
         with self._lock:
             while True:
                 for seq in self.scheduler.admit(self.now):
+                    seq.first_version = self.policy_version
                     self._record("admit", seq.request, self.now)
                 if not self.scheduler.running:
                     return not self.scheduler.waiting
@@ -166,6 +180,7 @@ class SimulatedEngine(EngineBase):
             seq.generated = [0] * seq.request.params.max_new_tokens
             seq.logprobs = [0.0] * len(seq.generated)
             seq.first_token_at = seq.admitted_at
+            seq.last_version = self.policy_version
             self._finish(seq, "length")
 
     def _release(self, seq: Sequence) -> None:
@@ -176,8 +191,10 @@ class SimulatedEngine(EngineBase):
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._release(seq)
         self._record("abort" if reason == "abort" else "finish", seq.request, self.now)
-        if not seq.future.done():
+        try:
             seq.future.set_result(seq.result(reason, self.now))
+        except InvalidStateError:          # cancelled meanwhile
+            pass
 
 
 __all__ = ["SimulatedEngine", "LatencyModel"]
