@@ -683,3 +683,37 @@ def test_dense_teacher_scorer_matches_a_dense_forward():
         CallableScorer(lambda p, c: np.zeros(len(c) + 1)).score([1], [2, 3])
     with pytest.raises(ValueError, match="log-probabilities"):
         CallableScorer(lambda p, c: np.ones(len(c))).score([1], [2, 3])
+
+
+def _result(token_ids, *, versions, finish="stop"):
+    from jaxopd.sampler.types import Result, Timings
+    return Result(request_id="r", kind="fast", prompt_ids=(1, 2, 3), token_ids=list(token_ids), text="",
+                  logprobs=np.full(len(token_ids), -0.5, np.float32), finish_reason=finish,
+                  timings=Timings(0.0, 0.0, 0.0, 0.0), policy_versions=versions)
+
+
+def test_responses_are_dated_by_the_engines_recorded_version():
+    """The buffer's lag rule needs the exact version: the engine's (first, last) record wins over the version
+    the strategy believed it served, and a response spanning an update is dated by its oldest weights."""
+    from jaxopd.rollout.trajectory import Response, engine_policy_version
+
+    response = Response.from_result(_result([5, 6], versions=(3, 4)), mode="next_action", policy_version=7)
+    assert response.policy_version == 3 and response.to_sample().policy_version == 3
+    assert Response.from_result(_result([5], versions=None), mode="next_action", policy_version=7).policy_version == 7
+    teacher = Response.from_result(_result([5], versions=(9, 9)), mode="next_action", policy_version=2,
+                                   teacher_generated=True)
+    assert teacher.policy_version == 2          # a teacher turn is dated by the student version of its rollout
+    assert engine_policy_version([_result([1], versions=(5, 6)), _result([1], versions=(4, 6))], 0) == 4
+
+
+def test_error_responses_never_become_samples():
+    from jaxopd.rollout.trajectory import ACTION_SOURCES, Response, Trajectory, Turn
+
+    good = Response.from_result(_result([5, 6], versions=(1, 1)), mode="next_action", policy_version=1)
+    failed = Response.from_result(_result([5], versions=(1, 1), finish="error"), mode="next_action",
+                                  policy_version=1)
+    turn = Turn(index=1, observation=None, action="", next_observation=None, action_source=ACTION_SOURCES[0],
+                responses=(good, failed))
+    trajectory = Trajectory(task=None, strategy="vanilla", initial_observation=None, turns=(turn,),
+                            end_reason="done")
+    assert len(trajectory.responses()) == 2 and len(trajectory.samples()) == 1

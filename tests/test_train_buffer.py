@@ -143,3 +143,27 @@ def test_collate_right_pads_and_adds_empty_rows():
         collate_samples([b], length=4)
     with pytest.raises(ValueError, match="do not fit a batch of 1"):
         collate_samples([a, b], batch_size=1)
+
+
+def test_a_collection_spans_several_minibatch_updates():
+    """ActionOPD trains one collection for an epoch of minibatches: once its first minibatch is taken, the
+    lag rule no longer drops the rest; an untouched stale collection is still dropped."""
+    buffer = SampleBuffer(max_version_lag=1)
+    buffer.add([make_sample(0, seed=i, collection=7) for i in range(6)])
+    first = buffer.take(2, current_version=0)
+    second = buffer.take(2, current_version=1)
+    third = buffer.take(2, current_version=2)           # lag 2 > 1, but the collection is being consumed
+    assert [len(b) for b in (first, second, third)] == [2, 2, 2]
+    assert buffer.stats.dropped_stale == 0 and len(buffer) == 0
+    buffer.add([make_sample(2, seed=9, collection=8), make_sample(2, seed=10, collection=8)])
+    assert buffer.take(1, current_version=4) == [] and buffer.stats.dropped_stale == 2   # never started: stale
+    buffer.add([make_sample(5, seed=11, collection=9), make_sample(5, seed=12, collection=9)])
+    buffer.take(1, current_version=5)
+    metadata, arrays = buffer.state()
+    restored = SampleBuffer.from_state(metadata, arrays)
+    assert [s.collection for s in restored.take(1, current_version=9)] == [9]   # the open collection survives resume
+
+
+def test_collection_must_be_an_integer():
+    with pytest.raises(ValueError, match="collection"):
+        make_sample(0, collection=True)

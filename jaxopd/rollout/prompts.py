@@ -203,7 +203,10 @@ def uses_thinking(mode: GenerationMode) -> bool:
 
 # ----------------------------------------------------------------------------------------------------------
 # Rendering under a budget (App. B.2)
-# ----------------------------------------------------------------------------------------------------------
+class PromptOverBudget(ValueError):
+    """Even the no-history prompt exceeds the prompt budget (App. B.2: nothing protected is cut)."""
+
+
 def render_prompt(
     tokenizer: Tokenizer, mode: GenerationMode, inputs: PromptInputs, max_prompt_tokens: int
 ) -> RenderedPrompt:
@@ -229,7 +232,7 @@ def render_prompt(
         token_ids = tokenizer.encode(text)
         if len(token_ids) <= max_prompt_tokens:
             return RenderedPrompt(token_ids=token_ids, text=text, history_pairs_kept=kept_pairs)
-    raise ValueError(
+    raise PromptOverBudget(
         f"the {mode} prompt for {inputs.benchmark} needs {len(token_ids)} tokens without any history, over the "
         f"budget of {max_prompt_tokens} tokens (the current observation, admissible-action information"
         f"{' and reference observation' if mode == 'inverse_dynamics' else ''} are never cut)"

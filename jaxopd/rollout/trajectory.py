@@ -130,6 +130,8 @@ class Response:
         text = result.text or (tokenizer.decode(result.token_ids) if tokenizer is not None else "")
         truncated = result.finish_reason == "length" and ACTION_END not in text
         ids = list(result.token_ids)
+        if not teacher_generated:
+            policy_version = engine_policy_version([result], policy_version)
         return cls(prompt_ids=np.asarray(result.prompt_ids), response_ids=np.asarray(ids, np.int32),
                    logprobs=np.asarray(result.logprobs, np.float32), model_generated=np.ones(len(ids), bool),
                    mode=mode, policy_version=policy_version, text=text,
@@ -144,6 +146,8 @@ class Response:
         a truncated response has no action (App. B.3: "responses marked as truncated are treated as empty
         actions")."""
         last = budgeted.stages[-1]
+        if not teacher_generated:
+            policy_version = engine_policy_version(budgeted.stages, policy_version)
         return cls(prompt_ids=np.asarray(prompt_ids), response_ids=np.asarray(budgeted.token_ids, np.int32),
                    logprobs=budgeted.logprobs, model_generated=budgeted.model_generated, mode=mode,
                    policy_version=policy_version, text=budgeted.text,
@@ -167,6 +171,15 @@ class Response:
 
     def to_sample(self) -> Sample:
         return response_to_sample(self)
+
+
+def engine_policy_version(results: Sequence[Any], fallback: int) -> int:
+    """The student version a response was sampled with, as the engine recorded it: the oldest first-token
+    version among its requests (``Result.policy_versions = (first, last)``). A response that spans a weight
+    update is dated by its oldest weights, so the buffer's lag rule is never too lenient. Results without
+    versions (scripted engines) keep ``fallback``, the version the strategy believed it was serving."""
+    firsts = [r.policy_versions[0] for r in results if getattr(r, "policy_versions", None) is not None]
+    return int(min(firsts)) if firsts else int(fallback)
 
 
 def response_to_sample(response: Response) -> Sample:
@@ -290,8 +303,9 @@ class Trajectory:
         return [response for turn in self.turns for response in turn.responses]
 
     def samples(self) -> list[Sample]:
-        """``response_to_sample`` of every training response, in turn order."""
-        return [response_to_sample(response) for response in self.responses()]
+        """``response_to_sample`` of every training response, in turn order. A response the engine failed
+        (``finish_reason == "error"``: a host-side error cut it short) is not trained on."""
+        return [response_to_sample(response) for response in self.responses() if response.finish_reason != "error"]
 
     def replace(self, **changes) -> "Trajectory":
         return dataclasses.replace(self, **changes)

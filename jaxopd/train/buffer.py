@@ -31,6 +31,9 @@ class Sample:
       already computed them (STI does for its discrepancy score); otherwise the teacher scorer fills them.
     teacher_generated: optional ``[L]`` bool — STI-OPD: True on tokens the teacher generated.
     advantage / retained: ActionOPD's response advantage A_{g,i} and whether its group was retained.
+    collection: ActionOPD's collection id (``-1``: none). The samples of one collection are one behaviour
+      snapshot trained for one epoch of minibatches (ActionOPD App. A.4); once its first minibatch is taken,
+      the buffer's lag rule no longer drops the rest (see ``SampleBuffer``).
     sample_id: assigned by the buffer (``-1`` before).
     """
 
@@ -42,6 +45,7 @@ class Sample:
     teacher_generated: np.ndarray | None = None
     advantage: float = 0.0
     retained: bool = True
+    collection: int = -1
     sample_id: int = -1
 
     def __post_init__(self):
@@ -78,6 +82,9 @@ class Sample:
         object.__setattr__(self, "policy_version", int(self.policy_version))
         object.__setattr__(self, "advantage", float(self.advantage))
         object.__setattr__(self, "retained", bool(self.retained))
+        if isinstance(self.collection, bool) or int(self.collection) != self.collection or self.collection < -1:
+            raise ValueError(f"Sample.collection must be an integer >= -1, got {self.collection!r}")
+        object.__setattr__(self, "collection", int(self.collection))
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -104,6 +111,10 @@ class SampleBuffer:
     ``current_version - policy_version > max_version_lag`` (lag <= 1 by default: samples of the current
     or the immediately preceding student), then removes and returns the ``n`` oldest remaining ones.
     Samples stay buffered until taken or dropped; a sample leaves the buffer exactly once.
+
+    A collection (``Sample.collection >= 0``, ActionOPD) is judged as a whole: the lag rule applies to it
+    until its first minibatch is taken; from then on its remaining samples are kept until they are taken, so
+    one collection spans several minibatch updates (one epoch, ActionOPD App. A.4) without being dropped.
     """
 
     def __init__(self, max_version_lag: int = 1):
@@ -112,6 +123,7 @@ class SampleBuffer:
         self.max_version_lag = int(max_version_lag)
         self._queue: collections.deque[Sample] = collections.deque()
         self._next_id = 0
+        self._open_collections: set[int] = set()   # collections whose first minibatch was taken
         self.stats = BufferStats()
 
     def __len__(self) -> int:
@@ -139,7 +151,7 @@ class SampleBuffer:
             raise ValueError(f"a buffered sample comes from policy version {newest}, newer than the current "
                              f"version {current_version}")
         oldest_allowed = current_version - self.max_version_lag
-        kept = [s for s in self._queue if s.policy_version >= oldest_allowed]
+        kept = [s for s in self._queue if s.policy_version >= oldest_allowed or s.collection in self._open_collections]
         dropped = len(self._queue) - len(kept)
         self._queue = collections.deque(kept)
         self.stats.dropped_stale += dropped
@@ -147,7 +159,8 @@ class SampleBuffer:
 
     def available(self, current_version: int) -> int:
         """How many samples a ``take`` at ``current_version`` could return (nothing is removed)."""
-        return sum(1 for s in self._queue if current_version - s.policy_version <= self.max_version_lag)
+        return sum(1 for s in self._queue if current_version - s.policy_version <= self.max_version_lag
+                   or s.collection in self._open_collections)
 
     def take(self, batch_size: int, current_version: int, *, allow_partial: bool = False) -> list[Sample]:
         """Drops stale samples, then removes and returns the ``batch_size`` oldest.
@@ -163,6 +176,8 @@ class SampleBuffer:
         count = min(batch_size, len(self._queue))
         batch = [self._queue.popleft() for _ in range(count)]
         self.stats.consumed += count
+        self._open_collections |= {s.collection for s in batch if s.collection >= 0}
+        self._open_collections &= {s.collection for s in self._queue}    # a fully taken collection closes
         return batch
 
     # -- checkpointable form ---------------------------------------------------------------------------
@@ -176,8 +191,9 @@ class SampleBuffer:
             "max_version_lag": self.max_version_lag,
             "next_id": self._next_id,
             "stats": dataclasses.asdict(self.stats),
+            "open_collections": sorted(self._open_collections),
             "samples": [{"sample_id": s.sample_id, "policy_version": s.policy_version, "length": len(s),
-                         "advantage": s.advantage, "retained": s.retained,
+                         "advantage": s.advantage, "retained": s.retained, "collection": s.collection,
                          "has_teacher_logp": s.teacher_logp is not None,
                          "has_teacher_generated": s.teacher_generated is not None} for s in samples],
         }
@@ -201,6 +217,7 @@ class SampleBuffer:
         buffer = cls(metadata["max_version_lag"])
         buffer._next_id = int(metadata["next_id"])
         buffer.stats = BufferStats(**metadata["stats"])
+        buffer._open_collections = {int(c) for c in metadata.get("open_collections", ())}
         offsets = collections.Counter()
 
         def pop(name, length):
@@ -215,7 +232,8 @@ class SampleBuffer:
                 behavior_logp=pop("behavior_logp", length), policy_version=entry["policy_version"],
                 teacher_logp=pop("teacher_logp", length) if entry["has_teacher_logp"] else None,
                 teacher_generated=pop("teacher_generated", length) if entry["has_teacher_generated"] else None,
-                advantage=entry["advantage"], retained=entry["retained"], sample_id=entry["sample_id"]))
+                advantage=entry["advantage"], retained=entry["retained"],
+                collection=entry.get("collection", -1), sample_id=entry["sample_id"]))
         for name, used in offsets.items():
             if used != arrays[name].shape[0]:
                 raise ValueError(f"buffer checkpoint: array {name!r} has {arrays[name].shape[0]} entries, "

@@ -191,9 +191,13 @@ def assign_group_advantages(trajectories: Sequence[Trajectory], *, epsilon: floa
     return [t.replace(turns=tuple(new)) for t, new in zip(trajectories, turns)]
 
 
-def collection_samples(trajectories: Sequence[Trajectory], *, retained_only: bool = False) -> list[Sample]:
+def collection_samples(trajectories: Sequence[Trajectory], *, retained_only: bool = False,
+                       collection_id: int = -1) -> list[Sample]:
     """The training samples of one ActionOPD collection: advantages assigned, then every candidate (or only
-    those of retained groups) converted. The collection is one behaviour snapshot: its samples share the
-    policy version they were collected with, whatever the number of minibatch updates they feed."""
+    those of retained groups) converted. The collection is one behaviour snapshot trained for one epoch of
+    minibatches (App. A.4): ``collection_id >= 0`` tags its samples so that ``train.buffer.SampleBuffer``
+    keeps the whole collection once its first minibatch is taken, whatever the number of updates it feeds."""
     samples = trajectory_samples(assign_group_advantages(trajectories))
+    if collection_id >= 0:
+        samples = [dataclasses.replace(s, collection=collection_id) for s in samples]
     return [s for s in samples if s.retained] if retained_only else samples

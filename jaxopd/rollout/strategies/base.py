@@ -24,7 +24,7 @@ import numpy as np
 from envs.base import Observation, Task
 from envs.checks import is_alfworld_action_valid, is_scienceworld_action_valid
 from envs.references import ReferenceTrajectory
-from jaxopd.rollout.prompts import PromptInputs, render_prompt
+from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, render_prompt
 from jaxopd.rollout.tags import ACTION_STOP_STRING
 from jaxopd.rollout.thinking import ThinkingBudget, submit_budgeted
 from jaxopd.rollout.trajectory import Response, Trajectory, Turn
@@ -39,10 +39,6 @@ class GenerationEngine(Protocol):
 
     def submit(self, request: Request) -> Future:
         ...
-
-
-class PromptOverBudget(ValueError):
-    """Even the no-history prompt exceeds the prompt budget: the rollout ends (nothing protected is cut)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,12 +281,7 @@ class RolloutStrategy(abc.ABC):
 
     def render(self, mode: str, inputs: PromptInputs, tokenizer: Any = None) -> list[int]:
         """Prompt ids of ``mode`` under the prompt budget (App. B.2); ``PromptOverBudget`` when nothing fits."""
-        try:
-            return render_prompt(tokenizer or self.tokenizer, mode, inputs, self.config.max_prompt_tokens).token_ids
-        except ValueError as error:
-            if "over the budget" in str(error):
-                raise PromptOverBudget(str(error)) from error
-            raise
+        return render_prompt(tokenizer or self.tokenizer, mode, inputs, self.config.max_prompt_tokens).token_ids
 
     def sampling_params(self, max_new_tokens: int, seed: int, *, stop_strings: tuple[str, ...] = (),
                         temperature: float | None = None, top_p: float | None = None,
