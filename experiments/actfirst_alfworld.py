@@ -133,7 +133,8 @@ def resolve_preset(name: str, backend: str | None = None) -> Preset:
 
 
 def departures_from_paper(preset: Preset, *, model_name: str, paper_architecture: bool, random_weights: bool,
-                          policies: Sequence[str], contexts_source: dict[str, Any], backend: str) -> list[str]:
+                          policies: Sequence[str], contexts_source: dict[str, Any], backend: str,
+                          prefix_sharing: bool = False) -> list[str]:
     """Every way this run differs from App. C.5 / Table 8, in words."""
     paper = PRESETS["paper"]
     out = []
@@ -154,7 +155,7 @@ def departures_from_paper(preset: Preset, *, model_name: str, paper_architecture
             fmt = (lambda v: ", ".join(map(str, v))) if isinstance(mine, tuple) else str
             out.append(f"{what}: {fmt(mine)} (paper: {fmt(theirs)})")
     out.append(f"engine: jaxopd's paged-KV JAX sampler on {backend} (policy {', '.join(policies)}; prefix sharing "
-               "off, chunked prefill on) instead of vLLM on one A100-SXM4-80GB")
+               f"{'on' if prefix_sharing else 'off'}, chunked prefill on) instead of vLLM on one A100-SXM4-80GB")
     if contexts_source.get("games") == "generated":
         out.append(f"contexts: ALFWorld-format training games generated from the alfworld wheel's floor plans "
                    f"(envs.alfworld_gen; {contexts_source.get('pool_size', '?')} train games, "
@@ -214,10 +215,12 @@ def describe_contexts(context_set: ContextSet, contexts: Sequence[TaskContext]) 
 
 
 # ------------------------------------------------------------------------------------------- the engine
-def engine_config_for(preset: Preset, contexts: Sequence[TaskContext], policy: str):
+def engine_config_for(preset: Preset, contexts: Sequence[TaskContext], policy: str, *, prefix_sharing: bool = True):
     """Engine limits sized so that b_max requests of the longest prompt and response fit the page pool at
     once: no request is ever preempted, so timings measure scheduling, not recomputation. Events are
-    recorded so that every timed batch's schedule is checked (``speedup_protocol.check_schedule``)."""
+    recorded so that every timed batch's schedule is checked (``speedup_protocol.check_schedule``).
+    ``prefix_sharing``: a turn's fast and full requests (and repeated contexts) share their prompt's pages.
+    The job sends no score requests, so the scoring step is not compiled."""
     from jaxopd.sampler import EngineConfig
 
     longest_prompt = max(max(len(c.full_prompt_ids), len(c.fast_prompt_ids)) for c in contexts)
@@ -228,7 +231,7 @@ def engine_config_for(preset: Preset, contexts: Sequence[TaskContext], policy: s
                         num_pages=preset.max_bmax * pages_per_seq + 1, max_seq_len=max_seq_len,
                         prefill_chunk=min(preset.prefill_chunk, max_seq_len),
                         max_prefill_tokens=preset.max_prefill_tokens, max_prefill_rows=preset.max_prefill_rows,
-                        policy=policy, record_events=True)
+                        policy=policy, record_events=True, prefix_sharing=prefix_sharing, scoring=False)
 
 
 def build_model(model_name: str, weights: str | None):
@@ -283,6 +286,7 @@ class RunOptions:
     request_seed: int = 0
     progress: bool = True
     command: str = ""
+    prefix_sharing: bool = True
 
 
 def idealized_for_point(point: PointResult, *, preset: Preset, calibration: CalibratedLatencies,
@@ -405,8 +409,9 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
     points_out: list[dict[str, Any]] = []
     timing["engine_warmup"] = timing["calibration"] = timing["scan"] = 0.0
     engine_info: dict[str, Any] = {}
+    sharing: dict[str, Any] = {"enabled": options.prefix_sharing, "scan": {}}
     for policy in options.policies:
-        config = engine_config_for(preset, timed, policy)
+        config = engine_config_for(preset, timed, policy, prefix_sharing=options.prefix_sharing)
         engine_info[policy] = dataclasses.asdict(config)
         t = time.perf_counter()
         log(f"engine ({policy}): max_slots {config.max_slots}, max_seq_len {config.max_seq_len}, "
@@ -428,6 +433,7 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
                         base_seed=options.request_seed, progress=lambda: bar.update(1))
                 timing["calibration"] = time.perf_counter() - t
             engine.events.clear()
+            stats_before = _sharing_stats(engine)
             t = time.perf_counter()
             with _progress_bar(total_runs // len(options.policies), f"scan ({policy})", options.progress) as bar:
                 for L in preset.full_lengths:
@@ -442,6 +448,8 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
                         points_out.append(point_to_dict(point, policy=policy, scans=scans, preset=preset,
                                                         ideal=ideal))
             timing["scan"] += time.perf_counter() - t
+            stats_after = _sharing_stats(engine)
+            sharing["scan"][policy] = {k: stats_after[k] - stats_before[k] for k in stats_after}
         finally:
             engine.stop()
             engine = None      # free this engine's KV pages before the next policy's engine allocates its own
@@ -466,7 +474,8 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
                                             paper_architecture=model_info["paper_architecture"],
                                             random_weights=model_info["random_weights"],
                                             policies=options.policies, contexts_source=context_set.source,
-                                            backend=machine["backend"]),
+                                            backend=machine["backend"],
+                                            prefix_sharing=options.prefix_sharing),
         "machine": machine,
         "software": {"jax": jax.__version__, "flax": flax.__version__, "numpy": np.__version__},
         "model": model_info, "engine": engine_info,
@@ -474,9 +483,28 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
         "calibration": _calibration_dict(calibration),
         "points": points_out,
         "timing_s": timing,
+        "prefix_sharing": sharing,
     }
     report.write_report(results, options.out)
     return results
+
+
+def _sharing_stats(engine: Any) -> dict[str, int]:
+    """The engine's prefix-sharing counters (zeros for an engine without them)."""
+    stats = getattr(engine, "stats", None) or {}
+    return {k: int(stats.get(k, 0)) for k in ("shared_pages", "prefill_tokens_saved")}
+
+
+def sharing_summary(results: dict[str, Any]) -> str | None:
+    """One line on the pages and prefill tokens prefix sharing saved during the scans (None before it existed)."""
+    sharing = results.get("prefix_sharing")
+    if sharing is None:
+        return None
+    if not sharing["enabled"]:
+        return "Prefix sharing: off"
+    parts = [f"{policy}: {s['shared_pages']:,} pages, {s['prefill_tokens_saved']:,} prefill tokens saved"
+             for policy, s in sharing["scan"].items()]
+    return "Prefix sharing: on — " + ("; ".join(parts) if parts else "no scan ran")
 
 
 def _calibration_dict(calibration: CalibratedLatencies) -> dict[str, Any]:
@@ -510,6 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample --contexts contexts (default 1,024) from the ALFWorld engine, save them, and exit")
     p.add_argument("--seed", type=int, default=0, help="base seed of the requests' sampling seeds")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--prefix-sharing", default="on", choices=["on", "off"],
+                   help="share the KV pages of common prompt prefixes between requests (default on)")
     return p
 
 
@@ -537,6 +567,7 @@ def options_from_args(args: argparse.Namespace, *, backend: str | None = None) -
     return RunOptions(preset=preset, model=args.model or preset.model, weights=args.weights, policies=policies,
                       out=out, contexts_source=args.contexts_source, contexts_file=args.contexts_file,
                       request_seed=args.seed, progress=not args.no_progress,
+                      prefix_sharing=args.prefix_sharing == "on",
                       command="python -m experiments.actfirst_alfworld " + shlex.join(sys.argv[1:]))
 
 
@@ -617,6 +648,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("Key numbers:")
     for line in report.key_numbers(results):
         print(f"  {line}")
+    line = sharing_summary(results)
+    if line:
+        print(line)
     return 0
 
 

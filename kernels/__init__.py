@@ -49,6 +49,20 @@ def default_backend_name(platform: str | None = None) -> str:
     return {"gpu": "pallas-gpu", "cuda": "pallas-gpu", "tpu": "pallas-tpu"}.get(platform, "reference")
 
 
+AUTO = "auto"
+"""The backend name that means ``default_backend_name()`` (what ``EngineConfig.attention_backend`` defaults to)."""
+
+
+def resolve_backend_name(name: str, platform: str | None = None) -> str:
+    """``name`` itself when it is registered, the platform's default for ``"auto"``; else ``ValueError``
+    listing the choices."""
+    if name == AUTO:
+        return default_backend_name(platform)
+    if not isinstance(name, str) or name not in _BACKENDS:
+        raise ValueError(f"unknown paged-attention backend {name!r}; choose {AUTO!r} or one of {sorted(_BACKENDS)}")
+    return name
+
+
 register_backend(ReferenceBackend())
 register_backend(HeadsFirstReferenceBackend())
 register_backend(PallasGpuBackend())
@@ -56,6 +70,7 @@ register_backend(PallasTpuBackend())
 register_backend(PallasTpuRaggedBackend())
 
 __all__ = ["AttentionBackend", "LayerCache", "get_backend", "register_backend", "available_backends",
-           "default_backend_name", "PallasGpuBackend", "PallasTpuBackend", "PallasTpuRaggedBackend",
+           "default_backend_name", "resolve_backend_name", "AUTO", "PallasGpuBackend", "PallasTpuBackend",
+           "PallasTpuRaggedBackend",
            "grouped_attention", "ReferenceBackend", "HeadsFirstReferenceBackend", "write_kv_pages",
            "paged_attention_reference"]

@@ -210,6 +210,26 @@ def test_failed_step_fails_its_requests_with_error_results(scripted):
     assert_engine_serves(engine, script)
 
 
+def test_failure_while_admitting_fails_that_request_instead_of_spinning(scripted, monkeypatch):
+    """A step that fails before anything runs (here: in admission) used to repeat forever, logging each time."""
+    engine, script = scripted
+    scheduler = engine.scheduler
+    original = scheduler.admit
+    calls = []
+
+    def admit(now):
+        calls.append(now)
+        if len(calls) == 1:
+            raise RuntimeError("admission bug")
+        return original(now)
+    monkeypatch.setattr(scheduler, "admit", admit)
+    r = engine.submit(Request(script.set(1, 3, [3, 4]), params(5))).result(timeout=10)
+    assert r.finish_reason == "error" and "admission bug" in r.error
+    assert len(calls) < 5
+    monkeypatch.setattr(scheduler, "admit", original)
+    assert_engine_serves(engine, script)
+
+
 def test_padding_ids_of_a_random_qwen3_never_break_requests(scripted, qwen_tokenizer):
     """The README setup: a random 151,936-row model samples ids 151,669..151,935 with the built-in tokenizer."""
     engine, script = scripted

@@ -142,6 +142,9 @@ def run_and_check(name, engines, tok, teacher_model, environment, benchmark):
     pool, task, reference = environment
     strategy = make_strategy(name, engines, tok, teacher_model, benchmark)
     strategy.pool = pool
+    student = engines[0]
+    if student.policy_version < 2:                 # the engine's recorded version dates the samples
+        student.update_weights(student.executor.state, version=2)
     strategy.policy_version = 2
     (trajectory,) = strategy.collect([task], {task.task_id: reference})
     for engine in engines:

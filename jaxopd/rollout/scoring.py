@@ -3,8 +3,9 @@
 Owns the ``TeacherScorer`` protocol (``score(prompt_ids, completion_ids) -> log-probs at the rollout
 temperature``) that STI-OPD's stochastic intervention needs at every turn (STI-OPD Sec. 3.2, Eq. 5), the
 adapter that turns any callable into one, and ``DenseTeacherScorer``, a dense no-cache recompute with the
-teacher's own weights. An engine-backed scorer (a paged-cache ``score`` request kind) plugs in behind the
-same protocol.
+teacher's own weights, and ``EngineTeacherScorer``, which sends ``score`` requests (``Request.scoring``) to a
+running sampler engine: they go through its paged cache (sharing prefix pages with the engine's other
+requests) on shapes its warm-up compiled.
 """
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from flax import nnx
 
 from jaxopd.models.logprobs import ROLLOUT_TEMPERATURE, token_log_probs
 from jaxopd.models.qwen3 import Qwen3, dense_causal_attend
+from jaxopd.sampler.types import Request
 
-__all__ = ["TeacherScorer", "CallableScorer", "as_teacher_scorer", "DenseTeacherScorer", "checked_scores"]
+__all__ = ["TeacherScorer", "CallableScorer", "as_teacher_scorer", "DenseTeacherScorer", "EngineTeacherScorer",
+           "checked_scores"]
 
 
 @runtime_checkable
@@ -142,3 +145,38 @@ class DenseTeacherScorer:
         logp = _completion_log_probs(self.graphdef, state, jnp.asarray(tokens), jnp.asarray(mask),
                                      jnp.asarray(gather), jnp.asarray(targets), temperature=self.temperature)
         return checked_scores(np.asarray(logp)[:len(completion)], len(completion), "DenseTeacherScorer")
+
+
+class EngineTeacherScorer:
+    """Teacher scoring by ``score`` requests to a sampler engine serving the teacher's weights.
+
+    ``engine``: a started ``jaxopd.sampler.Engine`` (or anything with its ``submit``) built with
+    ``EngineConfig.scoring=True``; requests wait in its queue until it runs. Each ``score`` call submits one
+    ``Request.scoring(prompt, completion, temperature=...)`` and blocks on its result; calls from several
+    threads are batched by the engine. Weight updates go through the engine (``engine.update_weights``).
+    A request that fails (``finish_reason`` other than ``length``) raises ``RuntimeError``.
+    """
+
+    def __init__(self, engine: Any, *, temperature: float = ROLLOUT_TEMPERATURE, kind: str = "score",
+                 priority: int = 0, timeout: float | None = None):
+        if not temperature > 0:
+            raise ValueError(f"the scoring temperature must be > 0 (the rollout's), got {temperature}")
+        if not callable(getattr(engine, "submit", None)):
+            raise ValueError(f"EngineTeacherScorer needs an engine with submit(), got {type(engine).__name__}")
+        self.engine = engine
+        self.temperature = float(temperature)
+        self.kind = kind
+        self.priority = int(priority)
+        self.timeout = timeout
+
+    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> np.ndarray:
+        completion = [int(t) for t in completion_ids]
+        if not completion:
+            return np.zeros(0, np.float32)
+        request = Request.scoring([int(t) for t in prompt_ids], completion, temperature=self.temperature,
+                                  kind=self.kind, priority=self.priority)
+        result = self.engine.submit(request).result(self.timeout)
+        if result.finish_reason != "length":
+            raise RuntimeError(f"score request {result.request_id} ended with {result.finish_reason!r}: "
+                               f"{result.error}")
+        return checked_scores(result.logprobs, len(completion), "EngineTeacherScorer")

@@ -17,15 +17,18 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import numpy as np
 
+import kernels
 from jaxopd.models.qwen3 import Qwen3
+from jaxopd.sampler.allocator import OutOfPages
 from jaxopd.sampler.buckets import Buckets
 from jaxopd.sampler.detokenize import IncrementalText, completes_stop_string
-from jaxopd.sampler.executor import DecodeBatch, Executor, PrefillBatch, compiled_count
+from jaxopd.sampler.executor import DecodeBatch, Executor, PrefillBatch, ScoreBatch, compiled_count
 from jaxopd.sampler.protocol import EngineBase
 from jaxopd.sampler.sampling import SamplingArrays
 from jaxopd.sampler.scheduler import POLICIES, Policy, PrefillChunk, Scheduler, Sequence, scheduling_policy
@@ -41,7 +44,16 @@ class EngineConfig:
     ``max_prefill_tokens`` bounds a prefill step's padded batch (rows bucket × length bucket; one chunk of up
     to ``prefill_chunk`` tokens always runs): see ``Buckets.prefill_fits``.
     ``policy``: a name of ``scheduler.POLICIES`` (``fifo``, ``fast-first``, ``priority``) or a
-    ``SchedulingPolicy``. ``attention_backend``: a name of ``kernels.available_backends()``."""
+    ``SchedulingPolicy``. ``attention_backend``: a name of ``kernels.available_backends()``, or ``"auto"`` (the
+    default): ``kernels.default_backend_name()``, i.e. ``pallas-gpu`` on a GPU, ``pallas-tpu`` on a TPU,
+    ``reference`` on CPU. ``prefix_sharing``: requests whose token prefixes agree on whole pages share those
+    pages (a chain hash of full pages, see ``PageAllocator``) and skip their prefill; outputs are the same as
+    without sharing. ``scoring``: serve ``score`` requests (``Request.score_ids``); warm-up then also compiles
+    the scoring step on every prefill shape.
+    ``overlap``: in the steady state (the same rows decode at steps k and k+1, nothing to admit, prefill or
+    apply) decode step k+1 is dispatched, fed step k's tokens on the device, before the host processes step
+    k; a stop found at step k then drops that row's token of step k+1 (never returned). Outputs are those of
+    the synchronous engine (``overlap=False``, kept for comparison and debugging)."""
 
     max_slots: int = 64
     page_size: int = 16
@@ -52,8 +64,11 @@ class EngineConfig:
     max_prefill_rows: int = 16
     policy: Policy = "fifo"
     eos_token_ids: tuple[int, ...] = (151645, 151643)
-    attention_backend: str = "reference"
+    attention_backend: str = "auto"
     record_events: bool = False
+    overlap: bool = True
+    prefix_sharing: bool = True
+    scoring: bool = True
 
     def validate(self) -> None:
         for name in ("max_slots", "page_size", "num_pages", "max_seq_len", "prefill_chunk",
@@ -71,6 +86,18 @@ class EngineConfig:
                              f"{self.max_seq_len} ({pages_per_seq} pages + the null page)")
         if self.max_prefill_tokens < min(self.prefill_chunk, 16):
             raise ValueError("max_prefill_tokens must be at least min(prefill_chunk, 16)")
+        try:
+            kernels.resolve_backend_name(self.attention_backend)
+        except ValueError as exc:
+            raise ValueError(f"EngineConfig.attention_backend: {exc}") from None
+        for name in ("prefix_sharing", "scoring", "record_events", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def backend_name(self) -> str:
+        """The attention backend actually used (``"auto"`` resolved for this platform)."""
+        return kernels.resolve_backend_name(self.attention_backend)
 
 
 class Engine(EngineBase):
@@ -102,16 +129,20 @@ class Engine(EngineBase):
                                     max_prefill_tokens=config.max_prefill_tokens,
                                     max_prefill_rows=config.max_prefill_rows)
         self.executor = Executor(model, num_pages=config.num_pages, page_size=config.page_size,
-                                 buckets=self.buckets, attention_backend=config.attention_backend)
+                                 buckets=self.buckets, attention_backend=config.backend_name,
+                                 scoring=config.scoring)
         self.scheduler = Scheduler(max_slots=config.max_slots, page_size=config.page_size,
                                    num_pages=config.num_pages, policy=config.policy,
                                    prefill_chunk=config.prefill_chunk,
                                    max_prefill_tokens=config.max_prefill_tokens,
                                    max_prefill_rows=self.buckets.prefill_rows[-1],
-                                   prefill_fits=self.buckets.prefill_fits)
+                                   prefill_fits=self.buckets.prefill_fits,
+                                   prefix_sharing=config.prefix_sharing)
         self.events: list[EngineEvent] = []
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "preemptions": 0,
-                      "generated_tokens": 0, "errors": 0}
+                      "generated_tokens": 0, "errors": 0, "shared_pages": 0, "prefill_tokens_saved": 0,
+                      "scored_tokens": 0}
+        self.scheduler.stats = self.stats        # the scheduler counts shared pages / prefill tokens saved
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -125,6 +156,8 @@ class Engine(EngineBase):
         self._policy_version = self._next_version(0, policy_version)
         self._served_version = self._policy_version
         self._max_concurrency = self.scheduler.max_concurrency
+        self._run: _DecodeRun | None = None      # the decode rows of the current steady state (engine thread)
+        self._decode_buffers: dict[tuple[int, int], _DecodeBuffers] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "Engine":
@@ -152,6 +185,7 @@ class Engine(EngineBase):
             self._apply_inbox(stopping=True)
             for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._fail(seq, RuntimeError("engine stopped"))
+            self._run = None                     # its steps in flight are dropped with their requests
 
     def warmup(self) -> int:
         """Compile every prefill/decode bucket (call before timing; nothing compiles afterwards); returns the
@@ -210,11 +244,16 @@ class Engine(EngineBase):
         """Queue a request; returns a ``Future[Result]``. Invalid requests raise ``ValueError`` here, and a
         stopped engine ``RuntimeError``. Cancelling the future aborts the request."""
         served = request.prepared(max_seq_len=self.config.max_seq_len, vocab_size=self.vocab_size)
+        if served.score_ids is not None and not self.config.scoring:
+            raise ValueError("score requests need an engine with EngineConfig.scoring=True")
         if served.params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need an engine created with a tokenizer")
         future: Future = Future()
         seq = Sequence(request=served, future=future, arrival=next(self._arrival),
                        submitted_at=time.perf_counter(), prompt=list(served.prompt_ids))
+        if served.score_ids is not None:                 # the completion is prefilled, never decoded
+            seq.generated = list(served.score_ids)
+            seq.score_logprobs = np.zeros(len(served.score_ids), np.float32)
         if served.params.stop_strings:
             seq.detokenizer = IncrementalText()
         with self._control:
@@ -295,6 +334,7 @@ class Engine(EngineBase):
             state, version = item
             self.executor.set_state(state)
             self._served_version = version
+            self.scheduler.clear_prefix_cache()      # the cached keys/values are stale now
         elif kind == "concurrency":
             self.scheduler.max_concurrency = item
         elif kind == "warmup":
@@ -309,7 +349,7 @@ class Engine(EngineBase):
             try:
                 with self._device:
                     self._apply_inbox()
-                    busy = self.scheduler.has_work()
+                    busy = self.scheduler.has_work() or self._run is not None
                     if busy:
                         self._step()
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, never the engine
@@ -323,15 +363,27 @@ class Engine(EngineBase):
                 self._wake.clear()
 
     def _fail_step(self, exc: BaseException) -> None:
+        """Fail the requests of a failed step. A step that failed before anything ran (in admission, say)
+        fails the head of the queue instead, the request it was admitting: otherwise the same step would fail
+        again at once, forever."""
         with self._device:
-            for seq in list(self.scheduler.running):
+            running = list(self.scheduler.running)
+            for seq in running:
                 self._error(seq, exc)
+            if not running and self.scheduler.waiting:
+                self._error(self.scheduler.waiting[0], exc)
+            self._run = None
+            self.scheduler.clear_prefix_cache()      # a failed step may have left the cache re-created
             try:
                 self.executor.ensure_cache()
             except Exception:  # noqa: BLE001
                 log.exception("could not re-create the KV cache")
 
     def _step(self) -> None:
+        if self._run is not None:                # steady state: the next decode step of the same rows
+            self._advance_run()
+            self.stats["steps"] += 1
+            return
         now = time.perf_counter()
         for seq in self.scheduler.admit(now):
             self._record("admit", seq.request, now)
@@ -362,6 +414,16 @@ class Engine(EngineBase):
         return table
 
     def _run_prefill(self, chunks: list[PrefillChunk]) -> None:
+        """Prefill the step's chunks: generation chunks in one ``prefill_step``, scoring chunks in one
+        ``score_step`` (each a sub-batch of a batch that fits, so each fits a warmed-up shape)."""
+        plain = [c for c in chunks if not c.seq.is_score]
+        scoring = [c for c in chunks if c.seq.is_score]
+        if plain:
+            self._run_generation_prefill(plain)
+        if scoring:
+            self._run_score_prefill(scoring)
+
+    def _prefill_arrays(self, chunks: list[PrefillChunk]):
         rows, length = self.buckets.prefill_shape(len(chunks), max(c.length for c in chunks))
         tokens = np.zeros((rows, length), np.int32)
         starts = np.zeros(rows, np.int32)
@@ -370,9 +432,45 @@ class Engine(EngineBase):
             tokens[i, :c.length] = c.seq.tokens[c.start:c.start + c.length]
             starts[i], lengths[i] = c.start, c.length
         seqs = [c.seq for c in chunks]
-        batch = PrefillBatch(tokens, starts, lengths,
-                             self._page_rows(seqs, rows, self.buckets.max_pages_per_seq),
-                             self._sampling(seqs, rows))
+        return rows, tokens, starts, lengths, self._page_rows(seqs, rows, self.buckets.max_pages_per_seq)
+
+    def _run_score_prefill(self, chunks: list[PrefillChunk]) -> None:
+        """Prefill scoring chunks; each position of a completion's context scores the next token. A request
+        whose last chunk ran is finished with the log-probs of its completion (``Request.score_ids``)."""
+        rows, tokens, starts, lengths, page_table = self._prefill_arrays(chunks)
+        targets = np.zeros(tokens.shape, np.int32)
+        temperature = np.ones(rows, np.float32)
+        spans = []
+        for i, c in enumerate(chunks):
+            seq_tokens, prompt_len = c.seq.tokens, len(c.seq.prompt)
+            lo = max(c.start, prompt_len - 1)                  # positions whose next token is in the completion
+            hi = min(c.start + c.length, len(seq_tokens) - 1)
+            if hi > lo:
+                targets[i, lo - c.start:hi - c.start] = seq_tokens[lo + 1:hi + 1]
+            spans.append((lo, hi))
+            temperature[i] = c.seq.request.params.temperature
+        logprobs = self.executor.score(ScoreBatch(tokens, starts, lengths, page_table, targets, temperature))
+        self.stats["prefill_steps"] += 1
+        now = time.perf_counter()
+        for i, c in enumerate(chunks):
+            seq, (lo, hi) = c.seq, spans[i]
+            seq.num_cached += c.length
+            if seq.first_version is None:
+                seq.first_version = self._served_version
+            prompt_len = len(seq.prompt)
+            if hi > lo:
+                seq.score_logprobs[lo + 1 - prompt_len:hi + 1 - prompt_len] = logprobs[i, lo - c.start:hi - c.start]
+            if c.completes_prompt:
+                seq.logprobs = [float(x) for x in seq.score_logprobs]
+                seq.last_version = self._served_version
+                seq.first_token_at = now
+                self.stats["scored_tokens"] += len(seq.generated)
+                self._finish(seq, "length")
+
+    def _run_generation_prefill(self, chunks: list[PrefillChunk]) -> None:
+        rows, tokens, starts, lengths, page_table = self._prefill_arrays(chunks)
+        seqs = [c.seq for c in chunks]
+        batch = PrefillBatch(tokens, starts, lengths, page_table, self._sampling(seqs, rows))
         next_tokens, logprobs = self.executor.prefill(batch)
         self.stats["prefill_steps"] += 1
         now = time.perf_counter()
@@ -384,23 +482,145 @@ class Engine(EngineBase):
                 c.seq.state = "decode"
                 self._append_guarded(c.seq, int(next_tokens[i]), float(logprobs[i]), now)
 
+    # ------------------------------------------------------------------ decode runs (vectorised, overlapped)
     def _run_decode(self, seqs: list[Sequence]) -> None:
+        """Start a decode run over ``seqs`` (each has a page for its next position): dispatch its first step,
+        then advance it (dispatch the next step if the steady state allows, process this one)."""
         rows, width = self.buckets.decode_shape(len(seqs), max(len(s.pages) for s in seqs))
-        tokens = np.zeros(rows, np.int32)
-        positions = np.zeros(rows, np.int32)
-        active = np.zeros(rows, bool)
-        for i, seq in enumerate(seqs):
-            tokens[i] = seq.generated[-1]
-            positions[i] = seq.num_cached
-            active[i] = True
-        batch = DecodeBatch(tokens, positions, self._page_rows(seqs, rows, width), active,
-                            self._sampling(seqs, rows))
+        buffers = self._decode_buffers.get((rows, width))
+        if buffers is None:
+            buffers = self._decode_buffers[(rows, width)] = _DecodeBuffers(rows, width)
+        run = _DecodeRun(seqs, buffers, self.config.eos_token_ids)   # nothing is in flight: buffers are free
+        self._run = run
+        self._dispatch(run, run.buffers.tokens)
+        self._advance_run()
+
+    def _dispatch(self, run: "_DecodeRun", tokens: Any) -> None:
+        b = run.buffers
+        batch = DecodeBatch(tokens, b.positions[run.positions_index], b.page_tables[run.table_index], b.active,
+                            b.sampling)
         next_tokens, logprobs = self.executor.decode(batch)
+        run.pending.append((next_tokens, logprobs, self._served_version))
         self.stats["decode_steps"] += 1
+
+    def _advance_run(self) -> None:
+        """Dispatch step k+1 when the steady state allows it, then process step k; end the run when nothing
+        of it is in flight any more."""
+        run = self._run
+        if run.pending and self._can_overlap(run):
+            self._dispatch_next(run)
+        if run.pending:
+            self._process(run)
+        if not run.pending:
+            self._end_run(run)
+
+    def _can_overlap(self, run: "_DecodeRun") -> bool:
+        """Whether step k+1 of the same rows is exactly what the synchronous engine would run next, whatever
+        step k samples (except stops, whose extra token is dropped): no command waiting in the inbox, no
+        request to admit, no prefill, no row reaching its length at step k."""
+        if not self.config.overlap or run.broken or len(run.pending) != 1 or self._stop.is_set():
+            return False
+        if not self._inbox.empty():
+            return False
+        sched = self.scheduler
+        running = len(sched.running)
+        if running != run.n:                     # a prefill (or anything but these rows) is running
+            return False
+        if sched.waiting and running < min(sched.max_concurrency, sched.max_slots):
+            return False                         # the synchronous engine would try to admit first
+        return not bool(np.any(run.base + run.steps + 1 >= run.max_new))
+
+    def _dispatch_next(self, run: "_DecodeRun") -> None:
+        """Dispatch step k+1 fed with step k's tokens on the device: positions + 1, and a new page for rows
+        whose next position starts one (if a page is missing, or the page window would grow, run k alone)."""
+        b, n = run.buffers, run.n
+        positions = b.positions[1 - run.positions_index]
+        np.add(b.positions[run.positions_index], b.active, out=positions)    # padding rows stay at 0
+        page_index = positions[:n] // self.config.page_size
+        need = np.flatnonzero(page_index >= run.num_pages)
+        if need.size:
+            if np.any(page_index[need] >= b.width):
+                return
+            try:
+                pages = self.scheduler.allocator.allocate(int(need.size))
+            except OutOfPages:
+                return
+            table = b.page_tables[1 - run.table_index]      # the other buffer: step k may still read this one
+            np.copyto(table, b.page_tables[run.table_index])
+            table[need, page_index[need]] = pages
+            run.table_index = 1 - run.table_index
+            run.num_pages[need] += 1
+            for i, page in zip(need.tolist(), pages):
+                run.seqs[i].pages.append(page)
+        run.positions_index = 1 - run.positions_index
+        self._dispatch(run, run.pending[0][0])
+
+    def _process(self, run: "_DecodeRun") -> None:
+        """Take step k's tokens: record them for every live row at once, then finish the rows that stop or
+        reach their length (stop strings: only rows that have them)."""
+        tokens_on_device, logprobs_on_device, version = run.pending.popleft()
+        n = run.n
+        tokens = np.asarray(tokens_on_device)[:n]
+        logprobs = np.asarray(logprobs_on_device)[:n]
         now = time.perf_counter()
-        for i, seq in enumerate(seqs):
-            seq.num_cached += 1
-            self._append_guarded(seq, int(next_tokens[i]), float(logprobs[i]), now)
+        run.token_steps.append(tokens)
+        run.logprob_steps.append(logprobs)
+        run.versions.append(version)
+        run.steps += 1
+        alive = run.alive
+        self.stats["generated_tokens"] += int(np.count_nonzero(alive))
+        if run.needs_first_token:                # only a sequence whose first token was not prefilled
+            run.needs_first_token = False
+            for i, seq in enumerate(run.seqs):
+                if alive[i] and seq.first_token_at is None:
+                    seq.first_token_at = now
+                    self._record("first_token", seq.request, now)
+        generated = run.base + run.steps
+        may_stop = generated >= run.min_new
+        stop = may_stop & (tokens[:, None] == run.stop_table).any(axis=1) if run.stop_table.shape[1] else \
+            np.zeros(n, bool)
+        for i in run.string_rows:
+            if not alive[i]:
+                continue
+            seq = run.seqs[i]
+            try:
+                self._flush_row(run, i)
+                new_text_from = seq.detokenizer.update(self.tokenizer, seq.generated)
+                if may_stop[i] and not stop[i] and completes_stop_string(
+                        seq.detokenizer.text, new_text_from, seq.request.params.stop_strings):
+                    stop[i] = True
+            except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer raised in the stop-string check
+                log.exception("request %s failed on the host", seq.request.request_id)
+                self._error(seq, exc)
+        finished = np.flatnonzero(alive & (stop | (generated >= run.max_new)))
+        for i in finished.tolist():
+            self._finish(run.seqs[i], "stop" if stop[i] else "length")
+
+    def _end_run(self, run: "_DecodeRun") -> None:
+        """Copy the run's tokens into its live sequences (one slice per row) and leave the steady state."""
+        self._run = None
+        rows = np.flatnonzero(run.alive)
+        if rows.size and run.steps:
+            tokens = np.stack(run.token_steps, axis=1).tolist()
+            logprobs = np.stack(run.logprob_steps, axis=1).tolist()
+            for i in rows.tolist():
+                run.flush(i, tokens[i], logprobs[i])
+
+    def _flush_row(self, run: "_DecodeRun", i: int) -> None:
+        if run.flushed[i] < run.steps:
+            done = int(run.flushed[i])
+            run.flush(i, [int(t[i]) for t in run.token_steps[done:]], [float(x[i]) for x in run.logprob_steps[done:]],
+                      offset=done)
+
+    def _leave_run(self, seq: Sequence) -> None:
+        """``seq`` resolves: bring its tokens up to date and drop it from the run's later steps."""
+        run = self._run
+        if run is not None:
+            i = run.row_of.get(id(seq))
+            if i is not None and run.alive[i]:
+                self._flush_row(run, i)
+                run.alive[i] = False
+                run.broken = True
 
     # ------------------------------------------------------------------ tokens and finishing
     def _append_guarded(self, seq: Sequence, token: int, logprob: float, now: float) -> None:
@@ -433,6 +653,7 @@ class Engine(EngineBase):
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Resolve ``seq`` with its text (``decode(token_ids)``); a tokenizer error makes it an error result."""
+        self._leave_run(seq)
         text, error = "", None
         if self.tokenizer is not None:
             try:
@@ -449,6 +670,7 @@ class Engine(EngineBase):
         """Release ``seq`` and give its future a ``Result`` (exactly once, whatever happens)."""
         if seq.resolved:
             return
+        self._leave_run(seq)
         seq.resolved = True
         try:
             self.scheduler.finish(seq)
@@ -471,6 +693,7 @@ class Engine(EngineBase):
         """Resolve ``seq`` with an exception (the engine stopped under it)."""
         if seq.resolved:
             return
+        self._leave_run(seq)
         seq.resolved = True
         try:
             self.scheduler.finish(seq)
@@ -488,6 +711,85 @@ class Engine(EngineBase):
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.notify_all()
+
+
+class _DecodeBuffers:
+    """The host arrays of decode steps of one padded shape, allocated once and filled in place. Positions and
+    page tables have two buffers each: step k+1's are written while step k may still read the other."""
+
+    def __init__(self, rows: int, width: int):
+        self.rows, self.width = rows, width
+        self.tokens = np.zeros(rows, np.int32)
+        self.positions = (np.zeros(rows, np.int32), np.zeros(rows, np.int32))
+        self.page_tables = (np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32))
+        self.active = np.zeros(rows, bool)
+        self.sampling = SamplingArrays.empty(rows)
+
+
+class _DecodeRun:
+    """Consecutive decode steps over one list of sequences (row i = ``seqs[i]``) and their per-row arrays.
+
+    Tokens of processed steps are kept per step (``token_steps``) and copied into each ``Sequence`` only when
+    it leaves the run (finishes, or the run ends) or, for rows with stop strings, every step. ``pending``: the
+    dispatched, unprocessed steps (tokens, log-probs, the weight version that produced them), at most two.
+    ``broken``: a row left, so no further step is dispatched."""
+
+    def __init__(self, seqs: list[Sequence], buffers: _DecodeBuffers, eos_token_ids: tuple[int, ...]):
+        n = len(seqs)
+        self.seqs, self.n, self.buffers = seqs, n, buffers
+        params = [seq.request.params for seq in seqs]
+        self.row_of = {id(seq): i for i, seq in enumerate(seqs)}
+        self.alive = np.ones(n, bool)
+        self.base = np.fromiter((len(seq.generated) for seq in seqs), np.int64, n)
+        self.cached = np.fromiter((seq.num_cached for seq in seqs), np.int64, n)
+        self.num_pages = np.fromiter((len(seq.pages) for seq in seqs), np.int64, n)
+        self.min_new = np.fromiter((p.min_new_tokens for p in params), np.int64, n)
+        self.max_new = np.fromiter((p.max_new_tokens for p in params), np.int64, n)
+        stops = [tuple(p.stop_token_ids) + tuple(eos_token_ids) for p in params]
+        self.stop_table = np.full((n, max(map(len, stops))), -1, np.int64)
+        for i, ids in enumerate(stops):
+            self.stop_table[i, :len(ids)] = ids
+        self.string_rows = [i for i, seq in enumerate(seqs) if seq.detokenizer is not None]
+        self.needs_first_token = any(seq.first_token_at is None for seq in seqs)
+        self.token_steps: list[np.ndarray] = []
+        self.logprob_steps: list[np.ndarray] = []
+        self.versions: list[int] = []
+        self.steps = 0
+        self.flushed = np.zeros(n, np.int64)
+        self.pending: deque = deque()
+        self.broken = False
+        self.positions_index = self.table_index = 0
+        # fill the step arrays in place (padding rows: token 0, position 0, null pages, inactive)
+        b = buffers
+        b.tokens[:] = 0
+        b.tokens[:n] = [seq.generated[-1] for seq in seqs]
+        b.positions[0][:] = 0
+        b.positions[0][:n] = self.cached
+        table = b.page_tables[0]
+        table[:] = 0
+        for i, seq in enumerate(seqs):
+            pages = seq.pages[:b.width]
+            table[i, :len(pages)] = pages
+        b.active[:] = False
+        b.active[:n] = True
+        s = b.sampling
+        s.temperature[:] = 1.0
+        s.top_p[:] = 1.0
+        s.top_k[:] = 0
+        s.seeds[:] = 0
+        s.temperature[:n] = [p.temperature for p in params]
+        s.top_p[:n] = [p.top_p for p in params]
+        s.top_k[:n] = [p.top_k for p in params]
+        s.seeds[:n] = [p.seed for p in params]
+
+    def flush(self, i: int, tokens: list, logprobs: list, offset: int = 0) -> None:
+        """Append row ``i``'s tokens of steps ``flushed[i]..steps`` (``tokens[j]`` is step ``offset + j``)."""
+        seq, done = self.seqs[i], int(self.flushed[i]) - offset
+        seq.generated.extend(tokens[done:])
+        seq.logprobs.extend(logprobs[done:])
+        seq.num_cached = int(self.cached[i]) + self.steps
+        seq.last_version = self.versions[self.steps - 1]
+        self.flushed[i] = self.steps
 
 
 def _message(exc: BaseException) -> str:

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 import kernels
+from jaxopd.models.logprobs import token_log_probs
 from jaxopd.models.qwen3 import Qwen3
 from jaxopd.sampler.allocator import NULL_PAGE
 from jaxopd.sampler.buckets import Buckets
@@ -48,6 +49,18 @@ class PrefillBatch:
     sampling: SamplingArrays
 
 
+@dataclasses.dataclass
+class ScoreBatch:
+    """A prefill batch whose every position also scores its next token (``targets``)."""
+
+    tokens: np.ndarray        # int32 [R, L]: one chunk per row
+    starts: np.ndarray        # int32 [R]
+    lengths: np.ndarray       # int32 [R]
+    page_table: np.ndarray    # int32 [R, max_pages_per_seq]
+    targets: np.ndarray       # int32 [R, L]: the token following each position (0 where not scored)
+    temperature: np.ndarray   # float32 [R]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Jitted steps: module-level, so engines over the same model graph, backend and page geometry share compilations
 # ----------------------------------------------------------------------------------------------------------
@@ -61,11 +74,32 @@ def _paged_attend(backend: kernels.AttentionBackend, write_pages, write_offsets,
     return attend
 
 
+class StaticModel:
+    """The static half of a split model for ``decode_step``: the graph definition and the state's tree
+    structure, hashed once. (Hashing an ``nnx.GraphDef`` costs about 50 µs, and jit hashes its static arguments
+    on every call; equality is checked by identity first.) Equal graphs and structures are equal, so engines
+    over the same model graph still share compilations."""
+
+    __slots__ = ("graphdef", "treedef", "_hash")
+
+    def __init__(self, graphdef, treedef):
+        self.graphdef, self.treedef = graphdef, treedef
+        self._hash = hash((graphdef, treedef))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, StaticModel) and self._hash == other._hash
+                                 and self.graphdef == other.graphdef and self.treedef == other.treedef)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def decode_step(graphdef, backend: kernels.AttentionBackend, state, kv, head_dv, tokens, positions, page_table,
-                active, temperature, top_p, top_k, seeds):
-    """One token for every row: write its KV at ``positions``, attend over the row's pages, sample."""
-    model = nnx.merge(graphdef, state)
+def decode_step(static: StaticModel, backend: kernels.AttentionBackend, state_leaves, kv, head_dv, tokens,
+                positions, page_table, active, temperature, top_p, top_k, seeds):
+    """One token for every row: write its KV at ``positions``, attend over the row's pages, sample.
+    ``state_leaves``: the model state's leaves (flattened once per weight update, not per call)."""
+    model = nnx.merge(static.graphdef, jax.tree.unflatten(static.treedef, state_leaves))
     page_size = backend.page_size(kv[0])
     rows = jnp.arange(tokens.shape[0])
     page_index = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
@@ -107,6 +141,36 @@ def prefill_step(graphdef, backend: kernels.AttentionBackend, state, kv, head_dv
     return kv, next_tokens, logprobs
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def score_step(graphdef, backend: kernels.AttentionBackend, state, kv, head_dv, tokens, starts, lengths,
+               page_table, targets, temperature):
+    """A prefill chunk per row (KV written as ``prefill_step`` does) that returns, at every position, the
+    float32 log-probability of ``targets`` there under ``tempered_log_softmax(logits, temperature)``.
+    The vocabulary projection runs one row at a time (``[L, V]`` logits, never ``[R, L, V]``)."""
+    model = nnx.merge(graphdef, state)
+    page_size = backend.page_size(kv[0])
+    offsets = jnp.arange(tokens.shape[1])[None, :]
+    positions = starts[:, None] + offsets
+    valid = offsets < lengths[:, None]
+    page_index = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
+    write_pages = jnp.where(valid, jnp.take_along_axis(page_table, page_index, axis=1), NULL_PAGE)
+    write_offsets = jnp.where(valid, positions % page_size, 0)
+
+    def attention(q, layer_cache):
+        return backend.prefill_attention(q, layer_cache, page_table, positions)
+
+    attend = _paged_attend(backend, write_pages, write_offsets, attention)
+    hidden, kv = model.hidden_states(tokens, positions, attend, kv)
+
+    def row_log_probs(args):
+        row_hidden, row_targets, row_temperature = args
+        return token_log_probs(model.logits(row_hidden, head_dv), row_targets,
+                               jnp.broadcast_to(row_temperature, row_targets.shape))
+
+    logprobs = jax.lax.map(row_log_probs, (hidden, targets, temperature))
+    return kv, jnp.where(valid, logprobs, 0.0)
+
+
 @jax.jit
 def _transposed_embedding(state):
     return jnp.transpose(state["embedding_vd"][...])
@@ -114,7 +178,7 @@ def _transposed_embedding(state):
 
 def compiled_count() -> int:
     """Entries in the step functions' jit caches (a test asserts this stops growing after warm-up)."""
-    return decode_step._cache_size() + prefill_step._cache_size()
+    return decode_step._cache_size() + prefill_step._cache_size() + score_step._cache_size()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -129,13 +193,14 @@ class Executor:
     prefill and decode steps on host batches."""
 
     def __init__(self, model: Qwen3, *, num_pages: int, page_size: int, buckets: Buckets,
-                 attention_backend: str = "reference"):
+                 attention_backend: str = "auto", scoring: bool = True):
         cfg = model.config
         self.config = cfg
         self.num_pages = num_pages
         self.page_size = page_size
         self.buckets = buckets
-        self.backend = kernels.get_backend(attention_backend)
+        self.backend = kernels.get_backend(kernels.resolve_backend_name(attention_backend))
+        self.scoring = scoring
         self.graphdef, self.state = nnx.split(model)
         self._state_treedef = jax.tree.structure(self.state)
         self._abstract_state = {path: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
@@ -159,12 +224,17 @@ class Executor:
             return True
         return False
 
-    def decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray]:
+    def decode(self, batch: DecodeBatch) -> tuple[jax.Array, jax.Array]:
+        """Dispatch one decode step; returns its (tokens, log-probs) without waiting for them (``np.asarray``
+        waits). ``batch.tokens`` may be the tokens array of the previous step, still on the device.
+
+        The host arrays of ``batch`` may be used by the device until the step's outputs are ready (the CPU
+        backend can alias numpy memory): the caller must not write into them before that."""
         s = batch.sampling
         self.kv, tokens, logprobs = decode_step(
-            self.graphdef, self.backend, self.state, self.kv, self.head_dv, batch.tokens, batch.positions,
-            batch.page_table, batch.active, s.temperature, s.top_p, s.top_k, s.seeds)
-        return np.asarray(tokens), np.asarray(logprobs)
+            self._static, self.backend, self._state_leaves, self.kv, self.head_dv, batch.tokens,
+            batch.positions, batch.page_table, batch.active, s.temperature, s.top_p, s.top_k, s.seeds)
+        return tokens, logprobs
 
     def prefill(self, batch: PrefillBatch) -> tuple[np.ndarray, np.ndarray]:
         s = batch.sampling
@@ -172,6 +242,13 @@ class Executor:
             self.graphdef, self.backend, self.state, self.kv, self.head_dv, batch.tokens, batch.starts,
             batch.lengths, batch.page_table, s.temperature, s.top_p, s.top_k, s.seeds)
         return np.asarray(tokens), np.asarray(logprobs)
+
+    def score(self, batch: ScoreBatch) -> np.ndarray:
+        """Prefill ``batch`` and return the float32 ``[R, L]`` log-probs of its targets."""
+        self.kv, logprobs = score_step(
+            self.graphdef, self.backend, self.state, self.kv, self.head_dv, batch.tokens, batch.starts,
+            batch.lengths, batch.page_table, batch.targets, batch.temperature)
+        return np.asarray(logprobs)
 
     def check_state(self, state: Any) -> Any:
         """``state`` as the served model's state, or ``ValueError`` naming the first mismatching path.
@@ -210,12 +287,15 @@ class Executor:
         """Swap in new weights (same structure, shapes and dtypes, see ``check_state``: no recompilation). On
         CPU a tied model also keeps a ``[D, V]`` copy of its embedding for the logits matmul."""
         self.state = state
+        self._static = StaticModel(self.graphdef, self._state_treedef)
+        self._state_leaves = jax.tree.leaves(state)
         if self._materialize_head:
             self.head_dv = _transposed_embedding(state)
 
     def warmup(self) -> int:
         """Compile every bucket (``Buckets.decode_shapes`` / ``prefill_shapes``, the shapes the engine's steps
-        can take) with dummy work that writes only to the null page; returns the number of shapes."""
+        can take; the scoring step on every prefill shape too when ``scoring``) with dummy work that writes
+        only to the null page; returns the number of compiled shapes."""
         n = 0
         for rows, pages in self.buckets.decode_shapes():
             self.decode(DecodeBatch(np.zeros(rows, np.int32), np.zeros(rows, np.int32),
@@ -228,8 +308,15 @@ class Executor:
                                       np.zeros((rows, self.buckets.max_pages_per_seq), np.int32),
                                       SamplingArrays.empty(rows)))
             n += 1
+            if self.scoring:
+                self.score(ScoreBatch(np.zeros((rows, length), np.int32), np.zeros(rows, np.int32),
+                                      np.zeros(rows, np.int32),
+                                      np.zeros((rows, self.buckets.max_pages_per_seq), np.int32),
+                                      np.zeros((rows, length), np.int32), np.ones(rows, np.float32)))
+                n += 1
         jax.block_until_ready(self.kv)
         return n
 
 
-__all__ = ["DecodeBatch", "PrefillBatch", "decode_step", "prefill_step", "compiled_count", "Executor"]
+__all__ = ["DecodeBatch", "PrefillBatch", "StaticModel", "ScoreBatch", "decode_step", "prefill_step", "score_step",
+           "compiled_count", "Executor"]

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from jaxopd.sampler.allocator import OutOfPages, PageAllocator
+from jaxopd.sampler.allocator import OutOfPages, PageAllocator, page_hashes
 from jaxopd.sampler.types import FinishReason, Request, Result, Timings
 
 
@@ -99,6 +99,29 @@ class Sequence:
     last_version: int | None = None
     resolved: bool = False
     detokenizer: Any = None
+    page_hashes: list[int] = dataclasses.field(default_factory=list)   # chain hashes of its full pages so far
+    num_registered: int = 0           # leading pages registered in (or shared from) the prefix cache
+    registrable: bool = True          # False once its KV predates a prefix-cache clear (new weights)
+    score_logprobs: Any = None        # float32 [len(completion)] of a score request, filled by position
+
+    @property
+    def is_score(self) -> bool:
+        """A scoring request: its ``generated`` is the given completion, prefilled, never decoded."""
+        return self.request.score_ids is not None
+
+    @property
+    def recompute_from(self) -> int:
+        """The first token whose prefill cannot be skipped by prefix sharing: the last token (its logits
+        sample the next one), or for a score request the last prompt token (its logits score the completion)."""
+        return len(self.prompt) - 1 if self.is_score else self.num_tokens - 1
+
+    def hashes_upto(self, num_pages: int, page_size: int) -> list[int]:
+        """The chain hashes of its first ``num_pages`` full pages (computed once, extended as tokens grow)."""
+        if num_pages > len(self.page_hashes):
+            parent = self.page_hashes[-1] if self.page_hashes else None
+            tokens = self.tokens[:num_pages * page_size]
+            self.page_hashes += page_hashes(tokens, page_size, len(self.page_hashes), parent)
+        return self.page_hashes[:num_pages]
 
     @property
     def tokens(self) -> list[int]:
@@ -140,11 +163,21 @@ class Scheduler:
     ``prefill_fits(rows, longest)``: whether a prefill batch of that many chunks, the longest that many
     tokens, may run as one step (the engine passes ``Buckets.prefill_fits``, the padded-shape budget its
     warm-up is built from); the real tokens of a batch never exceed ``max_prefill_tokens`` either.
+
+    ``prefix_sharing``: at admission a sequence shares the cached pages of its longest full-page prefix
+    (``PageAllocator``'s chain-hash prefix cache) and its prefill starts after them; at least its last token
+    (a score request: its last prompt token) is always recomputed, so when the whole prompt is cached up to
+    a page boundary the last page is recomputed into a private page (copy-on-write of the first page it
+    writes). A sequence's full pages are registered once their keys/values are computed (swept at each
+    admission, and when it finishes or is preempted). A head of the queue whose next page is being
+    prefilled by a running sequence waits for it (one step for a one-chunk prompt) instead of computing it
+    twice: ActFirst's fast and full requests of one context and ActionOPD's candidates arrive together.
+    ``stats``: ``shared_pages`` and ``prefill_tokens_saved`` (the engine passes its own stats dict).
     """
 
     def __init__(self, *, max_slots: int, page_size: int, num_pages: int, policy: Policy,
                  prefill_chunk: int, max_prefill_tokens: int, max_prefill_rows: int,
-                 prefill_fits: Callable[[int, int], bool] | None = None):
+                 prefill_fits: Callable[[int, int], bool] | None = None, prefix_sharing: bool = False):
         self.policy = scheduling_policy(policy)
         self.max_slots = max_slots
         self.max_concurrency = max_slots
@@ -159,6 +192,8 @@ class Scheduler:
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._admit_counter = itertools.count()
         self.preempted: list[Sequence] = []        # preemptions of the last step (engine reports them)
+        self.prefix_sharing = prefix_sharing
+        self.stats: dict[str, int] = {"shared_pages": 0, "prefill_tokens_saved": 0}
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -175,22 +210,70 @@ class Scheduler:
         """Admit waiting sequences in policy order while a slot, the cap and the pages allow."""
         admitted = []
         self.waiting.sort(key=self.policy.order_key)
+        pending: set[int] | None = None
         while self.waiting and len(self.running) < self.max_concurrency and self._free_slots:
             seq = self.waiting[0]
-            needed = self.pages_for(seq.num_tokens + 1)   # the prompt and the first decoded token
-            if needed > self.allocator.num_free:
+            # the prompt and the first decoded token (a score request decodes nothing)
+            needed = self.pages_for(seq.num_tokens + (0 if seq.is_score else 1))
+            shared: list[int] = []
+            if self.prefix_sharing:
+                if pending is None:
+                    pending = self._register_running()
+                hashes = seq.hashes_upto(seq.recompute_from // self.page_size, self.page_size)
+                shared = self.allocator.cached_prefix(hashes)
+                if len(shared) < len(hashes) and hashes[len(shared)] in pending:
+                    break                                  # a running prefill is computing its next page
+                self.allocator.share(shared)
+            if needed - len(shared) > self.allocator.num_free:
+                self.allocator.release(shared)
                 break                                      # wait for pages; never skip ahead of the head
             self.waiting.pop(0)
-            seq.pages = self.allocator.allocate(needed)
+            seq.pages = shared + self.allocator.allocate(needed - len(shared))
             seq.slot = self._free_slots.pop()
             seq.state = "prefill"
-            seq.num_cached = 0
+            seq.num_cached = len(shared) * self.page_size
+            seq.num_registered = len(shared)
+            seq.registrable = True
+            self.stats["shared_pages"] += len(shared)
+            self.stats["prefill_tokens_saved"] += len(shared) * self.page_size
+            if self.prefix_sharing:
+                pending.update(seq.hashes_upto(seq.num_tokens // self.page_size, self.page_size)[len(shared):])
             seq.admit_order = next(self._admit_counter)
             if seq.admitted_at is None:
                 seq.admitted_at = now
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    # ------------------------------------------------------------------ prefix cache
+    def register_full_pages(self, seq: Sequence) -> None:
+        """Register ``seq``'s pages whose keys/values are all computed in the prefix cache."""
+        if not (self.prefix_sharing and seq.registrable):
+            return
+        full = min(seq.num_cached // self.page_size, len(seq.pages))
+        if full > seq.num_registered:
+            hashes = seq.hashes_upto(full, self.page_size)
+            for i in range(seq.num_registered, full):
+                self.allocator.register(seq.pages[i], hashes[i])
+            seq.num_registered = full
+
+    def _register_running(self) -> set[int]:
+        """Register the computed full pages of every running sequence; return the hashes of the full
+        prompt pages that running prefills are still computing."""
+        pending: set[int] = set()
+        for seq in self.running:
+            self.register_full_pages(seq)
+            if seq.state == "prefill" and seq.registrable:
+                hashes = seq.hashes_upto(seq.num_tokens // self.page_size, self.page_size)
+                pending.update(hashes[seq.num_cached // self.page_size:])
+        return pending
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached page (new weights, or a re-created KV cache): nothing computed so far is
+        shared with a sequence admitted later, and running sequences never register their pages again."""
+        self.allocator.clear_prefix_cache()
+        for seq in self.running:
+            seq.registrable = False
 
     def prefill_chunks(self) -> list[PrefillChunk]:
         """Chunks of prompts still to prefill, oldest admission first, within the row and token budgets and
@@ -235,6 +318,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's pages and requeue it; its KV is recomputed (prompt + generated) on re-admission."""
         self.running.remove(seq)
+        self.register_full_pages(seq)
         self.allocator.release(seq.pages)
         seq.pages = []
         self._free_slots.append(seq.slot)
@@ -249,6 +333,7 @@ class Scheduler:
         """Release a finished or aborted sequence's pages and slot."""
         if seq in self.running:
             self.running.remove(seq)
+            self.register_full_pages(seq)
             self.allocator.release(seq.pages)
             self._free_slots.append(seq.slot)
         elif seq in self.waiting:

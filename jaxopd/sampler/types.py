@@ -136,13 +136,30 @@ class SamplingParams:
 @dataclasses.dataclass
 class Request:
     """One generation request. ``kind``: an open tag that scheduling policies may rank (see
-    ``jaxopd.sampler.scheduler.SchedulingPolicy``); ``priority``: lower is more urgent (vLLM's convention)."""
+    ``jaxopd.sampler.scheduler.SchedulingPolicy``); ``priority``: lower is more urgent (vLLM's convention).
+
+    ``score_ids``: makes it a *scoring* request (build one with ``Request.scoring``): the engine prefills
+    ``prompt_ids + score_ids`` through the paged cache (sharing prefix pages like any request), samples
+    nothing, and returns ``Result.token_ids = score_ids`` with ``Result.logprobs[i]`` = log π(score_ids[i] |
+    prompt, score_ids[:i]) under ``params.temperature`` (``tempered_log_softmax``: the full vocabulary, no
+    top-p/top-k; temperature 0 gives the plain log-softmax), and ``finish_reason='length'``. Only
+    ``params.temperature`` matters then.
+    """
 
     prompt_ids: Sequence[int]
     params: SamplingParams
     kind: RequestKind = "full"
     priority: int = 0
     request_id: str = ""
+    score_ids: Sequence[int] | None = None
+
+    @classmethod
+    def scoring(cls, prompt_ids: Sequence[int], completion_ids: Sequence[int], *,
+                temperature: float = ROLLOUT_TEMPERATURE, kind: RequestKind = "score", priority: int = 0,
+                request_id: str = "") -> "Request":
+        """A scoring request for the log-probs of ``completion_ids`` after ``prompt_ids`` at ``temperature``."""
+        return cls(prompt_ids, SamplingParams(max_new_tokens=1, temperature=temperature), kind=kind,
+                   priority=priority, request_id=request_id, score_ids=completion_ids)
 
     def __post_init__(self):
         if not self.request_id:
@@ -164,7 +181,16 @@ class Request:
         if n == 0:
             raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
         self.params.validate(vocab_size)
-        if n + self.params.max_new_tokens > max_seq_len:
+        if self.score_ids is not None:
+            if not _is_sequence(self.score_ids) or len(self.score_ids) == 0:
+                raise ValueError(f"score_ids must be a non-empty sequence of token ids (the completion to "
+                                 f"score), got {self.score_ids!r}")
+            if not all(is_int(t) and 0 <= int(t) < vocab_size for t in self.score_ids):
+                raise ValueError(f"score_ids must be integers in [0, {vocab_size})")
+            if n + len(self.score_ids) > max_seq_len:
+                raise ValueError(f"prompt of {n:,} tokens + score_ids of {len(self.score_ids):,} exceeds "
+                                 f"max_seq_len {max_seq_len:,}")
+        elif n + self.params.max_new_tokens > max_seq_len:
             raise ValueError(f"prompt of {n:,} tokens + max_new_tokens {self.params.max_new_tokens:,} exceeds "
                              f"max_seq_len {max_seq_len:,}")
         if not all(is_int(t) for t in self.prompt_ids):
@@ -177,8 +203,10 @@ class Request:
     def prepared(self, *, max_seq_len: int, vocab_size: int) -> "Request":
         """Validate, then return the copy an engine serves: normalised params with a concrete seed."""
         self.validate(max_seq_len=max_seq_len, vocab_size=vocab_size)
+        score_ids = None if self.score_ids is None else tuple(int(t) for t in self.score_ids)
         return Request(prompt_ids=[int(t) for t in self.prompt_ids], params=self.params.normalized(),
-                       kind=self.kind, priority=int(self.priority), request_id=self.request_id)
+                       kind=self.kind, priority=int(self.priority), request_id=self.request_id,
+                       score_ids=score_ids)
 
 
 @dataclasses.dataclass(frozen=True)
