@@ -115,3 +115,25 @@ def test_abort_and_weight_update_mid_run(model):
     assert r.token_ids == full[0].token_ids[:len(r.token_ids)]
     np.testing.assert_array_equal(r.logprobs, full[0].logprobs[:len(r.token_ids)])
     assert r.policy_versions == (0, 1)
+
+
+def test_overlapped_steps_compile_nothing_after_warmup():
+    """The overlapped decode feeds the previous step's tokens from the device: a call signature of its own,
+    which warm-up must compile too (it did not, and every row bucket compiled twice more during serving)."""
+    from flax import nnx
+
+    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
+
+    cfg = Qwen3Config(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+                      vocab_size=256, max_position_embeddings=4096, dtype="float32", param_dtype="float32")
+    config = EngineConfig(max_slots=16, page_size=16, num_pages=16 * 7 + 1, max_seq_len=112, prefill_chunk=16,
+                          max_prefill_tokens=16 * 64, max_prefill_rows=64, eos_token_ids=(), overlap=True)
+    with Engine(Qwen3(cfg, rngs=nnx.Rngs(3)), config) as engine:
+        engine.warmup()
+        compiled = engine.compiled_count()
+        for batch in (1, 8, 16):
+            requests = [Request([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_new_tokens=40, min_new_tokens=40, seed=i))
+                        for i in range(batch)]
+            assert all(len(r.token_ids) == 40 for r in engine.generate(requests))
+        assert engine.compiled_count() == compiled

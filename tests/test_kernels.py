@@ -79,7 +79,10 @@ def test_heads_first_layout_is_the_reference_transposed_and_gives_identical_resu
     assert hnd_cache[0].shape == (KV_HEADS, NUM_PAGES, PAGE_SIZE, HEAD_DIM)
     for ref_pages, hnd_pages in zip(ref_cache, hnd_cache):
         np.testing.assert_array_equal(np.moveaxis(np.asarray(hnd_pages), 0, 2)[1:], np.asarray(ref_pages)[1:])
-    table, positions = jnp.asarray(PAGE_TABLE), jnp.asarray(np.arange(16)[None, :].repeat(3, 0) % 11)
+    # queries see only written positions: the null page 0 takes every padding write, and on a GPU the order of
+    # duplicate scatter indices (so its content) is unspecified and differs between layouts
+    table = jnp.asarray(PAGE_TABLE)
+    positions = jnp.asarray(np.minimum(np.arange(16)[None, :] % 11, LENGTHS[:, None] - 1))
     np.testing.assert_array_equal(reference.prefill_attention(q, ref_cache, table, positions),
                                   heads_first.prefill_attention(q, hnd_cache, table, positions))
     np.testing.assert_array_equal(reference.decode_attention(q[:, 0], ref_cache, table, jnp.asarray(LENGTHS)),

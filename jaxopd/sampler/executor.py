@@ -298,9 +298,11 @@ class Executor:
         only to the null page; returns the number of compiled shapes."""
         n = 0
         for rows, pages in self.buckets.decode_shapes():
-            self.decode(DecodeBatch(np.zeros(rows, np.int32), np.zeros(rows, np.int32),
-                                    np.zeros((rows, pages), np.int32), np.zeros(rows, bool),
-                                    SamplingArrays.empty(rows)))
+            tokens = np.zeros(rows, np.int32)
+            for _ in range(2):   # host tokens (a run's first step), then the previous step's tokens on the device
+                tokens, _ = self.decode(DecodeBatch(tokens, np.zeros(rows, np.int32),
+                                                    np.zeros((rows, pages), np.int32), np.zeros(rows, bool),
+                                                    SamplingArrays.empty(rows)))
             n += 1
         for rows, length in self.buckets.prefill_shapes():
             self.prefill(PrefillBatch(np.zeros((rows, length), np.int32), np.zeros(rows, np.int32),
