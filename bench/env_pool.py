@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import os
 import platform
 import statistics
@@ -31,6 +30,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+
+from bench.common import write_result  # noqa: E402
 
 from envs.alfworld import AlfWorldEnv  # noqa: E402
 from envs.pool import EnvPool  # noqa: E402
@@ -248,14 +249,7 @@ def main(argv=None):
         "machine": platform.platform(), "python": platform.python_version(),
         "command": " ".join(["python", "bench/env_pool.py"] + (sys.argv[1:] if argv is None else list(argv))),
     }
-    table = markdown(result)
-    print()
-    print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(table)
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    write_result(result, markdown(result), args.out)
     return result
 
 

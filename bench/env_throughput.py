@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import platform
 import statistics
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+
+from bench.common import write_result  # noqa: E402
 
 PAPER = {"vanilla_steps_per_s": 3.65, "actfirst_steps_per_s": 5.68, "ratio": 1.56,
          "setup": "Qwen3-1.7B on ALFWorld, 8 A100s, 16 tasks per rollout batch, four rollout engines with four "
@@ -320,14 +321,7 @@ def main(argv: Sequence[str] | None = None):
         "runs": runs, "summary": summary, "paper": PAPER, "note": note,
         "load_average_end": os.getloadavg(),
     }
-    table = markdown(result)
-    print()
-    print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(table)
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    write_result(result, markdown(result), args.out)
     return result
 
 

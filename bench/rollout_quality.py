@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+
+from bench.common import write_result  # noqa: E402
 
 from bench.env_throughput import (  # noqa: E402
     alfworld_tasks,
@@ -207,14 +208,7 @@ def main(argv: Sequence[str] | None = None):
                                          "action"},
         "rows": rows, "note": note, "load_average_end": os.getloadavg(),
     }
-    table = markdown(result)
-    print()
-    print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(table)
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    write_result(result, markdown(result), args.out)
     return result
 
 

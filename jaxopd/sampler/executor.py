@@ -116,12 +116,10 @@ def decode_step(static: StaticModel, backend: kernels.AttentionBackend, state_le
     return kv, next_tokens, logprobs
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def prefill_step(graphdef, backend: kernels.AttentionBackend, state, kv, head_dv, tokens, starts, lengths,
-                 page_table, temperature, top_p, top_k, seeds):
-    """One prompt chunk per row: write its KV, attend causally over everything cached, sample after the
-    chunk's last real token (used only when the chunk completes the prompt)."""
-    model = nnx.merge(graphdef, state)
+def _prefill_hidden(model, backend: kernels.AttentionBackend, kv, tokens, starts, lengths, page_table):
+    """The model's hidden states over one prompt chunk per row, writing the chunk's KV into its pages (padding
+    positions write to the null page) and attending causally over everything cached: the shared body of
+    ``prefill_step`` and ``score_step``."""
     page_size = backend.page_size(kv[0])
     offsets = jnp.arange(tokens.shape[1])[None, :]
     positions = starts[:, None] + offsets
@@ -134,7 +132,16 @@ def prefill_step(graphdef, backend: kernels.AttentionBackend, state, kv, head_dv
         return backend.prefill_attention(q, layer_cache, page_table, positions)
 
     attend = _paged_attend(backend, write_pages, write_offsets, attention)
-    hidden, kv = model.hidden_states(tokens, positions, attend, kv)
+    return model.hidden_states(tokens, positions, attend, kv)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def prefill_step(graphdef, backend: kernels.AttentionBackend, state, kv, head_dv, tokens, starts, lengths,
+                 page_table, temperature, top_p, top_k, seeds):
+    """One prompt chunk per row: write its KV, attend causally over everything cached, sample after the
+    chunk's last real token (used only when the chunk completes the prompt)."""
+    model = nnx.merge(graphdef, state)
+    hidden, kv = _prefill_hidden(model, backend, kv, tokens, starts, lengths, page_table)
     last = jnp.maximum(lengths - 1, 0)
     logits = model.logits(hidden[jnp.arange(tokens.shape[0]), last], head_dv)
     next_tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, seeds, starts + lengths)
@@ -148,19 +155,7 @@ def score_step(graphdef, backend: kernels.AttentionBackend, state, kv, head_dv, 
     float32 log-probability of ``targets`` there under ``tempered_log_softmax(logits, temperature)``.
     The vocabulary projection runs one row at a time (``[L, V]`` logits, never ``[R, L, V]``)."""
     model = nnx.merge(graphdef, state)
-    page_size = backend.page_size(kv[0])
-    offsets = jnp.arange(tokens.shape[1])[None, :]
-    positions = starts[:, None] + offsets
-    valid = offsets < lengths[:, None]
-    page_index = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
-    write_pages = jnp.where(valid, jnp.take_along_axis(page_table, page_index, axis=1), NULL_PAGE)
-    write_offsets = jnp.where(valid, positions % page_size, 0)
-
-    def attention(q, layer_cache):
-        return backend.prefill_attention(q, layer_cache, page_table, positions)
-
-    attend = _paged_attend(backend, write_pages, write_offsets, attention)
-    hidden, kv = model.hidden_states(tokens, positions, attend, kv)
+    hidden, kv = _prefill_hidden(model, backend, kv, tokens, starts, lengths, page_table)
 
     def row_log_probs(args):
         row_hidden, row_targets, row_temperature = args
@@ -168,6 +163,7 @@ def score_step(graphdef, backend: kernels.AttentionBackend, state, kv, head_dv, 
                                jnp.broadcast_to(row_temperature, row_targets.shape))
 
     logprobs = jax.lax.map(row_log_probs, (hidden, targets, temperature))
+    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
     return kv, jnp.where(valid, logprobs, 0.0)
 
 
