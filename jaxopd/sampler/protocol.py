@@ -8,6 +8,8 @@ cancel-aborts hook and the event log). Plain Python.
 """
 from __future__ import annotations
 
+import abc
+
 import asyncio
 from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
@@ -56,7 +58,7 @@ class EngineProtocol(Protocol):
         ...
 
 
-class EngineBase:
+class EngineBase(abc.ABC):
     """Shared implementation of the engine surface; subclasses provide ``submit``, ``start``, ``stop``,
     ``max_slots``, ``record_events`` and ``events``."""
 
@@ -64,14 +66,17 @@ class EngineBase:
     record_events: bool
     max_slots: int
 
+    @abc.abstractmethod
     def submit(self, request: Request) -> Future:
-        raise NotImplementedError
+        """Queue a request; a ``Future[Result]``."""
 
+    @abc.abstractmethod
     def start(self) -> "EngineBase":
-        raise NotImplementedError
+        """Start serving; returns the engine."""
 
+    @abc.abstractmethod
     def stop(self) -> None:
-        raise NotImplementedError
+        """Stop serving; requests still in flight end."""
 
     async def submit_async(self, request: Request) -> Result:
         """Awaitable form of ``submit``."""
