@@ -2,8 +2,10 @@
 
 Owns the shared clipped-surrogate primitive and its loss aggregation modes, the per-method advantages
 (sampled reverse KL, importance-weighted reverse KL, action-agreement rewards with group centering and
-batch whitening) and STI-OPD's turn-level discrepancy score. Imports nothing from the project; the
-action strings that ActionOPD's match counts come from are handled in ``jaxopd.rollout.actions``.
+batch whitening), STI-OPD's turn-level discrepancy score, and the supervised fine-tuning loss (the
+negative log-likelihood of demonstration tokens) that trains a teacher on walkthroughs. Imports nothing
+from the project; the action strings that ActionOPD's match counts come from are handled in
+``jaxopd.rollout.actions``.
 
 Conventions: token arrays are ``[batch, length]`` (one row per turn-level response), ``mask`` marks the
 supervised tokens (model-generated; inserted tokens, prompts and padding are 0), log-probabilities are
@@ -462,6 +464,46 @@ def actionopd_loss(logp: chex.Array, behavior_logp: chex.Array, response_advanta
                                   dual_clip=dual_clip, aggregation="token-mean")
 
 
+# --------------------------------------------------------------------------------------------------
+# Supervised fine-tuning
+
+
+def sft_loss(logp: chex.Array, mask: chex.Array, *, aggregation: str = "token-mean"
+             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Negative log-likelihood of the supervised (demonstration response) tokens.
+
+    The token loss is -log π_θ(y_k | context), aggregated over ``mask`` by ``aggregation``
+    (``aggregate_token_loss``; the default token-mean is the cross-entropy per supervised token). Its
+    gradient w.r.t. the logits of a supervised position is (softmax - onehot(y_k)) / N_tok under
+    token-mean (at temperature 1).
+
+    Args:
+      logp: ``[B, L]`` log π_θ of the demonstration tokens (differentiated), taken at temperature 1.
+      mask: ``[B, L]`` 1 on the supervised response tokens; 0 on prompts and padding.
+      aggregation: one of ``AGGREGATION_MODES``.
+
+    Returns:
+      ``(loss, metrics)``; metrics are token means over supervised tokens: ``nll`` (mean -logp, equal to
+      the loss under token-mean), ``perplexity`` (exp of ``nll``), ``token_prob_mean`` (mean π_θ of the
+      demonstration token), and ``supervised_tokens``.
+    """
+    where = "sft_loss"
+    _check_token_inputs(where, [logp], mask)
+    if aggregation not in AGGREGATION_MODES:
+        raise ValueError(f"{where}: aggregation must be one of {AGGREGATION_MODES}, got {aggregation!r}")
+    logp = _as_float(logp)
+    loss = aggregate_token_loss(-logp, mask, aggregation)
+    mask = _as_float(mask)
+    nll = _masked_mean(_sg(-logp), mask)
+    metrics = {
+        "nll": nll,
+        "perplexity": jnp.exp(nll),
+        "token_prob_mean": _masked_mean(jnp.exp(_sg(logp)), mask),
+        "supervised_tokens": jnp.sum(mask),
+    }
+    return loss, metrics
+
+
 __all__ = [
     "AGGREGATION_MODES", "LOG_RATIO_BOUND", "SEQ_MEAN_EPSILON", "SurrogateTokenTerms", "GroupAdvantages",
     "clipped_surrogate_token_loss", "aggregate_token_loss", "clipped_surrogate_loss",
@@ -469,4 +511,5 @@ __all__ = [
     "sti_turn_discrepancy", "sti_intervention_probability", "sti_importance_weighted_reverse_kl",
     "sti_behavior_logp", "sti_opd_loss",
     "action_agreement_reward", "action_group_advantages", "actionopd_loss",
+    "sft_loss",
 ]

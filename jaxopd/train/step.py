@@ -66,13 +66,15 @@ def make_optimizer(config: OptimizerConfig = OptimizerConfig()) -> optax.Gradien
     return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
 
 
-LOSS_KINDS = ("opd", "sti-opd", "sti-iw-reverse-kl", "action-opd")
+LOSS_KINDS = ("opd", "sti-opd", "sti-iw-reverse-kl", "action-opd", "sft")
 """``opd``: ActFirst-OPD / vanilla OPD (dual-clip surrogate of the sampled reverse KL);
 ``sti-opd``: STI-OPD's practical PPO form; ``sti-iw-reverse-kl``: STI-OPD's exact importance-weighted
-reverse KL (Eq. 11); ``action-opd``: ActionOPD's clipped objective with response advantages."""
+reverse KL (Eq. 11); ``action-opd``: ActionOPD's clipped objective with response advantages; ``sft``:
+supervised fine-tuning, the negative log-likelihood of demonstration responses (training a teacher on
+walkthroughs, ``jaxopd.methods.sft_data``)."""
 
 _DEFAULT_AGGREGATION = {"opd": "seq-mean-token-mean", "sti-opd": "token-mean",
-                        "sti-iw-reverse-kl": "token-mean", "action-opd": "token-mean"}
+                        "sti-iw-reverse-kl": "token-mean", "action-opd": "token-mean", "sft": "token-mean"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +88,16 @@ class LossConfig:
     with ``LossConfig.for_rollout(sampling_params, ...)``, and defaults to ``ROLLOUT_TEMPERATURE``, the
     default of ``SamplingParams.temperature``. ``logits_chunk_size`` computes the vocabulary
     projection in chunks of that many positions, rematerialised in the backward pass, so that
-    ``[B, T, V]`` logits never exist at once (None: in one piece).
+    ``[B, T, V]`` logits never exist at once (None: in one piece). ``max_supervised_tokens`` projects only
+    the positions that predict supervised tokens (at most that many per row, see
+    :func:`supervised_log_probs`): the loss is the same, the vocabulary projection shrinks from every position
+    to the responses (a turn-level sample is mostly prompt). A batch with a row of more supervised tokens is a
+    ``ValueError`` (:func:`check_supervised_fit`).
+
+    ``kind="sft"`` trains on the likelihood of the demonstration itself, not on sampled tokens: an SFT
+    config should use ``temperature=1.0`` (the default), so that the model learns the plain softmax it
+    later samples from; the temperature is applied like for every other kind if set otherwise. The
+    clipping fields and ``kl_coef`` do not apply to it, and it needs no teacher log-probabilities.
     """
 
     kind: str = "opd"
@@ -96,6 +107,7 @@ class LossConfig:
     kl_coef: float = 1.0
     temperature: float = ROLLOUT_TEMPERATURE
     logits_chunk_size: int | None = None
+    max_supervised_tokens: int | None = None
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -109,6 +121,9 @@ class LossConfig:
             raise ValueError(f"LossConfig.temperature must be > 0, got {self.temperature}")
         if self.logits_chunk_size is not None and self.logits_chunk_size < 1:
             raise ValueError(f"LossConfig.logits_chunk_size must be positive or None, got {self.logits_chunk_size}")
+        if self.max_supervised_tokens is not None and self.max_supervised_tokens < 1:
+            raise ValueError(f"LossConfig.max_supervised_tokens must be positive or None, got "
+                             f"{self.max_supervised_tokens}")
 
     @classmethod
     def for_rollout(cls, *sampling: Any, **fields: Any) -> "LossConfig":
@@ -135,7 +150,7 @@ class LossConfig:
 
     @property
     def needs_teacher_logp(self) -> bool:
-        return self.kind != "action-opd"
+        return self.kind not in ("action-opd", "sft")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -246,6 +261,48 @@ def sequence_log_probs(model: Qwen3, tokens: jax.Array, positions: jax.Array, at
     return jnp.pad(logp, ((0, 0), (1, 0)))
 
 
+def supervised_log_probs(model: Qwen3, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
+                         loss_mask: jax.Array, max_supervised_tokens: int,
+                         temperature: float = ROLLOUT_TEMPERATURE) -> jax.Array:
+    """``sequence_log_probs`` on the supervised positions only (0 elsewhere): the first ``max_supervised_tokens``
+    True entries of each row of ``loss_mask`` are gathered, projected onto the vocabulary and scattered back.
+
+    Exact when no row has more supervised tokens than ``max_supervised_tokens`` (check on the host with
+    :func:`check_supervised_fit`); further ones would read 0.
+    """
+    hidden, _ = model.hidden_states(tokens, positions, dense_causal_attend(positions, attention_mask))
+    batch, length = tokens.shape
+    width = min(int(max_supervised_tokens), length)
+    mask = loss_mask.astype(bool)
+    order = jnp.argsort(jnp.logical_not(mask), axis=1, stable=True)[:, :width]   # supervised positions first
+    valid = jnp.take_along_axis(mask, order, axis=1)
+    context = jnp.take_along_axis(hidden, jnp.maximum(order - 1, 0)[..., None], axis=1)   # predicts tokens[order]
+    targets = jnp.take_along_axis(tokens, order, axis=1)
+    values = jnp.where(valid, token_log_probs(model.logits(context), targets, temperature), 0.0)
+    rows = jnp.arange(batch)[:, None]
+    return jnp.zeros((batch, length), values.dtype).at[rows, order].add(values)
+
+
+def check_supervised_fit(loss_mask: Any, max_supervised_tokens: int | None) -> None:
+    """``ValueError`` when a row of ``loss_mask`` has more supervised tokens than ``max_supervised_tokens``."""
+    if max_supervised_tokens is None:
+        return
+    import numpy as np
+    most = int(np.asarray(loss_mask).sum(axis=1).max(initial=0))
+    if most > max_supervised_tokens:
+        raise ValueError(f"a sample has {most} supervised tokens, more than max_supervised_tokens "
+                         f"{max_supervised_tokens}; raise it (or set it to None)")
+
+
+def model_log_probs(model: Qwen3, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
+                    loss_mask: jax.Array, config: "LossConfig") -> jax.Array:
+    """The per-token log-probs a loss needs, by the cheapest exact path the config allows."""
+    if config.max_supervised_tokens is not None:
+        return supervised_log_probs(model, tokens, positions, attention_mask, loss_mask,
+                                    config.max_supervised_tokens, config.temperature)
+    return sequence_log_probs(model, tokens, positions, attention_mask, config.temperature, config.logits_chunk_size)
+
+
 def loss_from_log_probs(logp: jax.Array, batch: TrainBatch, config: LossConfig) -> tuple[jax.Array, Metrics]:
     """The configured method's loss of a batch given the student's per-token log-probs ``logp`` ``[B, T]``."""
     mask = batch.loss_mask
@@ -259,6 +316,8 @@ def loss_from_log_probs(logp: jax.Array, batch: TrainBatch, config: LossConfig) 
     if config.kind == "sti-iw-reverse-kl":
         return losses.sti_importance_weighted_reverse_kl(logp, batch.teacher_logp, batch.teacher_generated, mask,
                                                          aggregation=aggregation)
+    if config.kind == "sft":
+        return losses.sft_loss(logp, mask, aggregation=aggregation)
     return losses.actionopd_loss(logp, batch.behavior_logp, batch.advantages, batch.retained, mask,
                                  clip_eps=config.clip_eps, dual_clip=config.dual_clip)
 
@@ -267,8 +326,7 @@ def batch_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: TrainBatch, con
                ) -> tuple[jax.Array, Metrics]:
     """Loss and metrics of ``batch`` under the student ``params`` (a pure function: differentiate it)."""
     model = nnx.merge(graphdef, params)
-    logp = sequence_log_probs(model, batch.tokens, batch.positions, batch.attention_mask, config.temperature,
-                              config.logits_chunk_size)
+    logp = model_log_probs(model, batch.tokens, batch.positions, batch.attention_mask, batch.loss_mask, config)
     loss, metrics = loss_from_log_probs(logp, batch, config)
     return loss, dict(metrics)
 
@@ -312,25 +370,43 @@ class TeacherScorer:
 
     compiled: Callable[..., jax.Array]
     row_sharding: NamedSharding
+    max_supervised_tokens: int | None = None
 
-    def __call__(self, params: nnx.State, tokens: Any, positions: Any, attention_mask: Any) -> jax.Array:
+    def __call__(self, params: nnx.State, tokens: Any, positions: Any, attention_mask: Any,
+                 loss_mask: Any = None) -> jax.Array:
         _check_rows_divide(tokens.shape[0], self.row_sharding)
-        tokens, positions, attention_mask = jax.device_put((tokens, positions, attention_mask), self.row_sharding)
-        return self.compiled(params, tokens, positions, attention_mask)
+        if self.max_supervised_tokens is None:
+            tokens, positions, attention_mask = jax.device_put((tokens, positions, attention_mask), self.row_sharding)
+            return self.compiled(params, tokens, positions, attention_mask)
+        if loss_mask is None:
+            raise ValueError("a scorer of supervised positions only (max_supervised_tokens) needs the loss mask")
+        check_supervised_fit(loss_mask, self.max_supervised_tokens)
+        arrays = jax.device_put((tokens, positions, attention_mask, loss_mask), self.row_sharding)
+        return self.compiled(params, *arrays)
 
 
 def make_teacher_scorer(graphdef: nnx.GraphDef, param_shardings: nnx.State, mesh: Mesh, *,
                         temperature: float = ROLLOUT_TEMPERATURE, logits_chunk_size: int | None = None,
-                        data_axis: str = DATA_AXIS) -> TeacherScorer:
-    """The teacher's scorer on ``mesh`` with the teacher's parameter shardings (see :class:`TeacherScorer`)."""
+                        max_supervised_tokens: int | None = None, data_axis: str = DATA_AXIS) -> TeacherScorer:
+    """The teacher's scorer on ``mesh`` with the teacher's parameter shardings (see :class:`TeacherScorer`).
+    With ``max_supervised_tokens`` only the supervised positions are scored (0 elsewhere; the loss reads no
+    other), by :func:`supervised_log_probs`."""
     rows = NamedSharding(mesh, PartitionSpec(data_axis))
 
-    def score(params, tokens, positions, attention_mask):
-        model = nnx.merge(graphdef, params)
-        return sequence_log_probs(model, tokens, positions, attention_mask, temperature, logits_chunk_size)
+    if max_supervised_tokens is None:
+        def score(params, tokens, positions, attention_mask):
+            model = nnx.merge(graphdef, params)
+            return sequence_log_probs(model, tokens, positions, attention_mask, temperature, logits_chunk_size)
 
-    compiled = jax.jit(score, in_shardings=(param_shardings, rows, rows, rows), out_shardings=rows)
-    return TeacherScorer(compiled, rows)
+        compiled = jax.jit(score, in_shardings=(param_shardings, rows, rows, rows), out_shardings=rows)
+    else:
+        def score(params, tokens, positions, attention_mask, loss_mask):
+            model = nnx.merge(graphdef, params)
+            return supervised_log_probs(model, tokens, positions, attention_mask, loss_mask, max_supervised_tokens,
+                                        temperature)
+
+        compiled = jax.jit(score, in_shardings=(param_shardings, rows, rows, rows, rows), out_shardings=rows)
+    return TeacherScorer(compiled, rows, max_supervised_tokens)
 
 
 def score_batch(scorer: TeacherScorer, teacher_params: nnx.State, batch: TrainBatch,
@@ -339,13 +415,14 @@ def score_batch(scorer: TeacherScorer, teacher_params: nnx.State, batch: TrainBa
     mesh, then transferred) and returns the whole batch placed on ``trainer_batch_sharding``.
 
     Any ``teacher_logp`` already in the batch is replaced; to train on log-probs the rollout computed
-    itself, or for ActionOPD (``LossConfig.needs_teacher_logp`` is False), call :func:`place_batch`.
+    itself, or for ActionOPD and SFT (``LossConfig.needs_teacher_logp`` is False), call :func:`place_batch`.
     """
-    teacher_logp = scorer(teacher_params, batch.tokens, batch.positions, batch.attention_mask)
+    teacher_logp = scorer(teacher_params, batch.tokens, batch.positions, batch.attention_mask, batch.loss_mask)
     return place_batch(batch.replace(teacher_logp=teacher_logp), trainer_batch_sharding)
 
 
 __all__ = ["OptimizerConfig", "make_optimizer", "LOSS_KINDS", "LossConfig", "TrainState", "replicated",
            "train_state_shardings", "abstract_train_state", "init_train_state", "batch_shardings", "place_batch",
-           "sequence_log_probs", "loss_from_log_probs", "batch_loss", "make_train_step",
+           "sequence_log_probs", "supervised_log_probs", "check_supervised_fit", "model_log_probs",
+           "loss_from_log_probs", "batch_loss", "make_train_step",
            "TeacherScorer", "make_teacher_scorer", "score_batch"]

@@ -191,8 +191,12 @@ class RolloutStrategy(abc.ABC):
         return None
 
     # ------------------------------------------------------------------ episodes
-    def run_episode(self, slot: int, task: Task, reference: ReferenceTrajectory | None = None) -> Trajectory:
-        """Play ``task`` on pool slot ``slot`` until the environment ends it, the turn limit, or the strategy."""
+    def run_episode(self, slot: int, task: Task, reference: ReferenceTrajectory | None = None, *,
+                    seed: int | None = None) -> Trajectory:
+        """Play ``task`` on pool slot ``slot`` until the environment ends it, the turn limit, or the strategy.
+
+        ``seed``: this episode's base sampling seed (default ``config.seed``); a training loop that revisits a
+        task passes a new one per visit, so the revisit does not replay the same random numbers."""
         if self.needs_reference and reference is None:
             raise ValueError(f"{self.name} needs a reference trajectory for {task.task_id}")
         if reference is not None and reference.task_id != task.task_id:
@@ -200,6 +204,8 @@ class RolloutStrategy(abc.ABC):
         initial = self.pool.submit_reset(slot, task).result()
         episode = Episode(slot=slot, task=task, reference=reference, initial_observation=initial,
                           observation=initial, policy_version=self.policy_version)
+        if seed is not None:
+            episode.state["seed"] = int(seed)
         self.start_episode(episode)
         while episode.end_reason is None:
             if episode.observation.done:
@@ -264,7 +270,8 @@ class RolloutStrategy(abc.ABC):
 
     # ------------------------------------------------------------------ helpers for strategies
     def seed(self, episode: Episode, role: str, index: int = 0) -> int:
-        return request_seed(self.config.seed, episode.task.task_id, episode.turn, role, index)
+        return request_seed(episode.state.get("seed", self.config.seed), episode.task.task_id, episode.turn, role,
+                            index)
 
     def rng(self, episode: Episode, role: str) -> np.random.Generator:
         """A generator for the host-side draws of a turn (STI's Bernoulli, ActionOPD's tie-break)."""

@@ -1,0 +1,325 @@
+"""Train a student agent: on-policy distillation (vanilla OPD, ActFirst-OPD and its ablations, STI-OPD, ActionOPD)
+or supervised fine-tuning on walkthroughs (``--method sft``: how a teacher is made here without a download).
+
+    python -m experiments.train --method actfirst --preset cpu --student runs/student-hf --teacher runs/teacher-hf \\
+        --out runs/train/actfirst --export runs/train/actfirst/student-hf
+    python -m experiments.train --method sft --preset cpu --steps 600 --out runs/sft/teacher \\
+        --export runs/sft/teacher/hf
+
+Everything is one ``RunConfig`` (``jaxopd.methods.config``): the method's paper defaults, then the preset, then
+the flags given here; it is printed at the start and saved as ``<out>/config.json``. A folder that holds
+checkpoints is resumed. Outputs: ``train.jsonl`` / ``eval.jsonl`` and TensorBoard events, evaluation tables and
+plots under ``<out>/eval/``, ``summary.json``, and with ``--export`` the trained student as a Hugging Face
+folder. Bad input (a missing checkpoint folder, a wrong preset, an unwritable ``--out``, ``$ALFWORLD_DATA``
+pointing at nothing, a teacher with another vocabulary) is one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from jaxopd.methods.benchmarks import BenchmarkError, GeneratedCounts, resolve_source, subset
+from jaxopd.methods.config import METHODS, PRESETS, RunConfig, build_config
+
+FLAG_FIELDS = ("benchmark", "games", "student", "teacher", "student_model_preset", "teacher_model_preset", "updates",
+               "batch_size", "rollout_slots", "collection_tasks", "train_tasks", "checkpoint_every", "seed",
+               "learning_rate", "loss", "max_turns", "max_prompt_tokens", "max_train_tokens", "first_stage_tokens",
+               "total_tokens", "second_stage_tokens", "fast_action_tokens", "temperature", "eval_split",
+               "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "max_supervised_tokens")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line naming the problem and exit code 2 (no usage dump)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see python -m experiments.train --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m experiments.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--preset", default="cpu", choices=PRESETS, help="machine sizing (default cpu)")
+    p.add_argument("--out", required=True, help="run folder (resumed when it holds checkpoints)")
+    p.add_argument("--export", default=None, help="write the trained student here as a Hugging Face folder")
+    p.add_argument("--benchmark", default=None, choices=("alfworld", "scienceworld"))
+    p.add_argument("--games", default=None, choices=("auto", "generated", "official"))
+    p.add_argument("--student", default=None, metavar="DIR", help="Hugging Face Qwen3 folder of the student")
+    p.add_argument("--teacher", default=None, metavar="DIR", help="Hugging Face Qwen3 folder of the teacher")
+    p.add_argument("--student-model-preset", default=None, help="random-initialised student when no --student")
+    p.add_argument("--teacher-model-preset", default=None, help="random-initialised teacher when no --teacher")
+    p.add_argument("--updates", type=int, default=None, help="optimizer updates (distillation)")
+    p.add_argument("--steps", type=int, default=None, help="SFT steps (default: --sft-epochs over the data)")
+    p.add_argument("--sft-epochs", type=float, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--rollout-slots", type=int, default=None)
+    p.add_argument("--collection-tasks", type=int, default=None)
+    p.add_argument("--train-tasks", type=int, default=None, help="train on a seeded subset of this many tasks")
+    p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--learning-rate", type=float, default=None)
+    p.add_argument("--loss", default=None, choices=("opd", "sti-opd", "sti-iw-reverse-kl", "action-opd", "sft"))
+    p.add_argument("--max-turns", type=int, default=None)
+    p.add_argument("--max-prompt-tokens", type=int, default=None)
+    p.add_argument("--max-train-tokens", type=int, default=None)
+    p.add_argument("--max-supervised-tokens", type=int, default=None)
+    p.add_argument("--first-stage-tokens", type=int, default=None)
+    p.add_argument("--total-tokens", type=int, default=None)
+    p.add_argument("--second-stage-tokens", type=int, default=None)
+    p.add_argument("--fast-action-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--eval-split", default=None)
+    p.add_argument("--eval-tasks", type=int, default=None)
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--eval-temperature", type=float, default=None)
+    p.add_argument("--no-eval", action="store_true", help="skip evaluation")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line and exit code 2."""
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    overrides = {name: getattr(args, name) for name in FLAG_FIELDS}
+    if args.method == "sft" and args.steps is not None:
+        overrides["updates"] = args.steps
+    try:
+        return build_config(args.method, preset=args.preset, **overrides)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def check_paths(config: RunConfig, args: argparse.Namespace) -> Path:
+    for flag, folder in (("--student", config.student), ("--teacher", config.teacher)):
+        if folder is not None:
+            path = Path(folder)
+            if not path.is_dir():
+                raise UsageError(f"{flag} {folder!r}: no such folder")
+            if not (path / "config.json").is_file():
+                raise UsageError(f"{flag} {folder!r} is not a Hugging Face checkpoint (no config.json)")
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(f"--out {args.out!r} is not writable: {error.strerror or error}") from None
+    if args.export:
+        try:
+            Path(args.export).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"--export {args.export!r} cannot be created: {error.strerror or error}") from None
+    return out
+
+
+def load_models(config: RunConfig):
+    """The student and teacher (None for SFT) Qwen3 modules and the tokenizer."""
+    from flax import nnx
+
+    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.models.weights import CheckpointError, load_qwen3
+    from jaxopd.tokenizer import load_tokenizer
+
+    def load(folder: str | None, preset: str, seed: int, flag: str):
+        if folder is None:
+            return Qwen3(Qwen3Config.preset(preset), rngs=nnx.Rngs(seed))
+        try:
+            return load_qwen3(folder)
+        except (CheckpointError, OSError, ValueError) as error:
+            raise UsageError(f"{flag} {folder!r}: {error}") from None
+
+    student = load(config.student, config.student_model_preset, config.seed, "--student")
+    teacher = None
+    if config.method != "sft":
+        teacher = load(config.teacher, config.teacher_model_preset, config.seed + 1, "--teacher")
+        if teacher.config.vocab_size != student.config.vocab_size:
+            raise UsageError(f"the teacher's vocabulary ({teacher.config.vocab_size} tokens) differs from the "
+                             f"student's ({student.config.vocab_size}); OPD needs one token space")
+    return student, teacher, load_tokenizer(config.student)
+
+
+def make_evaluator(config: RunConfig, source: Any, tokenizer: Any, out: Path, progress: bool, *,
+                   divergence: Any = None):
+    """``fn(engine, update)``: the student alone on ``eval_tasks`` tasks of the evaluation split; every seed at
+    the start and the end, the first seed in between. Writes ``<out>/eval/update_<n>/``. ``divergence``: an
+    optional ``fn() -> float``, the student's exact reverse KL to the teacher on held-out states, logged too."""
+    from jaxopd.methods.evaluate import evaluate_policy, write_evaluation
+    from jaxopd.rollout.strategies.base import RolloutConfig
+    from jaxopd.rollout.thinking import ThinkingBudget
+
+    split = config.resolved_eval_split
+    tasks = subset(source.tasks(split), config.eval_tasks, seed=0)
+    rollout = RolloutConfig(max_turns=config.max_turns, max_prompt_tokens=config.max_prompt_tokens,
+                            thinking_budget=ThinkingBudget(config.first_stage_tokens, config.total_tokens,
+                                                           config.second_stage_tokens),
+                            temperature=config.eval_temperature)
+    final_update = config.updates
+
+    def evaluate(engine: Any, update: int) -> dict[str, Any]:
+        seeds = config.eval_seeds if update in (0, final_update) else config.eval_seeds[:1]
+        summary, records = evaluate_policy(engine, source, tokenizer, tasks, seeds=seeds, rollout_config=rollout,
+                                           greedy=config.eval_greedy, progress=progress, slots=config.rollout_slots,
+                                           benchmark=config.benchmark, split=split)
+        write_evaluation(out / "eval" / f"update_{update:05d}", summary, records,
+                         {"update": update, "method": config.method, "tasks": len(tasks), "seeds": list(seeds)})
+        overall = summary["overall"]
+        result = {"split": split, "tasks": len(tasks), "seeds": list(seeds),
+                  "success_rate_mean": overall["success_rate"]["mean"],
+                  "success_rate_std": overall["success_rate"]["std"] or 0.0}
+        for name in ("mean_rounds", "mean_score"):
+            if name in overall and overall[name]["mean"] is not None:
+                result[f"{name}_mean"] = overall[name]["mean"]
+        if divergence is not None:
+            result["exact_reverse_kl"] = divergence()
+        return result
+
+    return evaluate
+
+
+def held_out_divergence(config: RunConfig, source: Any, tokenizer: Any, student: Any, teacher: Any, trainer: Any):
+    """``fn() -> float``: the current student's exact reverse KL to the teacher on the walkthrough turns of the
+    evaluation games (held-out states: no training task is among them), at the rollout temperature."""
+    from flax import nnx
+
+    from jaxopd.methods.benchmarks import references_for
+    from jaxopd.methods.divergence import exact_reverse_kl
+    from jaxopd.methods.sft_data import walkthrough_samples
+
+    if config.benchmark != "alfworld":
+        return None
+    tasks = subset(source.tasks(config.resolved_eval_split), config.eval_tasks, seed=0)
+    references = references_for(source, tasks, workers=min(4, os.cpu_count() or 1), progress=False)
+    samples, _ = walkthrough_samples(references, tokenizer, max_prompt_tokens=config.max_prompt_tokens)
+    student_graphdef, _ = nnx.split(student, nnx.Param)
+    teacher_pair = nnx.split(teacher, nnx.Param)
+
+    def divergence() -> float:
+        return exact_reverse_kl((student_graphdef, trainer().state.params), teacher_pair, samples,
+                                temperature=config.temperature or 1.0)
+
+    return divergence
+
+
+def machine() -> dict[str, Any]:
+    import jax
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    config = config_from_args(args)
+    out = check_paths(config, args)
+    progress = not args.no_progress
+    try:
+        source = resolve_source(config.benchmark, config.games, counts=GeneratedCounts(), progress=progress)
+    except BenchmarkError as error:
+        raise UsageError(str(error)) from None
+    student, teacher, tokenizer = load_models(config)
+    started = time.time()
+    print(f"task source: {source.describe()}", flush=True)
+    if config.method == "sft":
+        summary = run_sft(config, args, source, student, tokenizer, out, progress)
+    else:
+        from jaxopd.methods.loop import Trainer
+        holder: dict[str, Any] = {}
+        evaluator = None
+        if not args.no_eval:
+            divergence = held_out_divergence(config, source, tokenizer, student, teacher, lambda: holder["trainer"])
+            evaluator = make_evaluator(config, source, tokenizer, out, progress, divergence=divergence)
+        trainer = Trainer(config, student=student, teacher=teacher, tokenizer=tokenizer, source=source, out_dir=out,
+                          progress=progress, evaluate=evaluator)
+        holder["trainer"] = trainer
+        summary = trainer.run()
+        if args.export:
+            from flax import nnx
+
+            from jaxopd.models.weights import save_qwen3
+            import jax
+            graphdef, _ = nnx.split(student, nnx.Param)
+            save_qwen3(nnx.merge(graphdef, jax.device_get(trainer.state.params)), args.export)
+            summary["export"] = args.export
+    summary.update({"command": " ".join([sys.executable.split("/")[-1], "-m", "experiments.train", *sys.argv[1:]]),
+                    "config": config.to_dict(), "machine": machine(), "source": source.describe(),
+                    "elapsed_s": time.time() - started})
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    plot_history(out)
+    return summary
+
+
+def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: Any, tokenizer: Any, out: Path,
+            progress: bool) -> dict[str, Any]:
+    """Supervised fine-tuning on the walkthroughs of the training games, evaluated like a distilled student."""
+    from jaxopd.methods.benchmarks import TRAIN_SPLIT, references_for
+    from jaxopd.methods.sft import sft_steps, train_sft
+    from jaxopd.methods.sft_data import walkthrough_samples
+    from jaxopd.sampler.engine import Engine, EngineConfig
+
+    tasks = subset(source.tasks(TRAIN_SPLIT[config.benchmark]), config.train_tasks, seed=config.seed)
+    references = references_for(source, tasks, workers=min(4, os.cpu_count() or 1), progress=progress)
+    samples, stats = walkthrough_samples(references, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
+                                         benchmark=config.benchmark)
+    steps = args.steps or sft_steps(len(samples), config.batch_size, config.sft_epochs)
+    # project only the response positions: the longest walkthrough response, rounded up to 8
+    supervised = -(-max(s.num_supervised for s in samples) // 8) * 8
+    print(f"SFT data: {len(tasks)} games, {json.dumps(stats.as_dict())}; {steps} steps of {config.batch_size}",
+          flush=True)
+    (out / "config.json").write_text(config.to_json() + "\n")
+    evaluate = None
+    if not args.no_eval:
+        from jaxopd.methods.loop import engine_config_for
+        from jaxopd.methods.registry import make_method
+        engine_config: EngineConfig = engine_config_for(dataclasses.replace(config, method="vanilla-opd"),
+                                                        make_method(dataclasses.replace(config, method="vanilla-opd")))
+        engine_eval = make_evaluator(dataclasses.replace(config, updates=steps), source, tokenizer, out, progress)
+
+        def evaluate(model, step):
+            with Engine(model, engine_config, tokenizer=tokenizer) as engine:
+                return engine_eval(engine, step)
+    model = train_sft(student, samples, out, steps=steps, batch_size=config.batch_size,
+                      learning_rate=config.learning_rate, weight_decay=config.weight_decay,
+                      max_grad_norm=config.max_grad_norm, seed=config.seed, max_train_tokens=config.max_train_tokens,
+                      max_supervised_tokens=supervised, checkpoint_every=config.checkpoint_every,
+                      eval_every=config.eval_every, evaluate=evaluate, progress=progress)
+    summary: dict[str, Any] = {"steps": steps, "samples": len(samples), "data": stats.as_dict()}
+    if args.export:
+        from jaxopd.models.weights import save_qwen3
+        save_qwen3(model, args.export)
+        summary["export"] = args.export
+    return summary
+
+
+def plot_history(out: Path) -> None:
+    """Success rate against update and wall-clock from ``eval.jsonl`` (when the run evaluated)."""
+    from jaxopd.methods.evaluate import plot_learning_curves
+    from jaxopd.methods.metrics_log import read_jsonl
+
+    records = [r for r in read_jsonl(out / "eval.jsonl") if r.get("success_rate_mean") is not None]
+    if records:
+        config = json.loads((out / "config.json").read_text())
+        history = [{"update": r["step"], "wall_s": r["wall_s"], "success_rate_mean": r["success_rate_mean"],
+                    "success_rate_std": r.get("success_rate_std", 0.0), "label": config["method"]} for r in records]
+        plot_learning_curves(history, out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        summary = run(args)
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("config", "machine")}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Collect finished training runs into one report: a markdown table, learning curves and each run's files.
+
+    python -m experiments.train_report runs/train/vanilla runs/train/actfirst --out results/train
+
+For each run folder (written by ``python -m experiments.train``): the command, the first and last evaluation
+(success rate mean ± std over seeds, rounds, the exact reverse KL to the teacher on held-out states), the
+training wall-clock (evaluation excluded) and the mean seconds per update spent in rollout, scoring, step and
+sync. Writes ``<out>/README.md`` (table), ``<out>/runs.json``, ``success_vs_update.png`` /
+``success_vs_wallclock.png`` over all runs, and copies each run's summary, metrics and evaluation tables into
+``<out>/<run name>/`` (checkpoints and exported weights are not copied).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from jaxopd.methods.evaluate import plot_learning_curves
+from jaxopd.methods.metrics_log import read_jsonl
+
+COPIED = ("summary.json", "config.json", "train.jsonl", "eval.jsonl", "success_vs_update.png",
+          "success_vs_wallclock.png")
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def describe_run(folder: Path) -> dict[str, Any]:
+    summary = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").is_file() else {}
+    config = json.loads((folder / "config.json").read_text())
+    train = read_jsonl(folder / "train.jsonl")
+    evals = [r for r in read_jsonl(folder / "eval.jsonl") if r.get("success_rate_mean") is not None]
+    row: dict[str, Any] = {"run": folder.name, "method": config["method"], "command": summary.get("command"),
+                           "updates": train[-1]["step"] if train else 0,
+                           "train_wall_s": train[-1]["wall_s"] if train else None}
+    for name in ("rollout_s", "scoring_s", "step_s", "sync_s"):
+        row[f"mean_{name}"] = _mean([r[name] for r in train if name in r])
+    if evals:
+        first, last = evals[0], evals[-1]
+        row.update({"first_eval_update": first["step"], "last_eval_update": last["step"],
+                    "success_first": first["success_rate_mean"], "success_first_std": first.get("success_rate_std"),
+                    "success_last": last["success_rate_mean"], "success_last_std": last.get("success_rate_std"),
+                    "rkl_first": first.get("exact_reverse_kl"), "rkl_last": last.get("exact_reverse_kl"),
+                    "rounds_first": first.get("mean_rounds_mean"), "rounds_last": last.get("mean_rounds_mean"),
+                    "eval_tasks": last.get("tasks"), "eval_seeds": last.get("seeds"), "eval_split": last.get("split")})
+    row["history"] = [{"update": r["step"], "wall_s": r["wall_s"], "success_rate_mean": r["success_rate_mean"],
+                       "success_rate_std": r.get("success_rate_std") or 0.0, "label": folder.name} for r in evals]
+    return row
+
+
+def _pct(value: Any, std: Any = None) -> str:
+    if value is None:
+        return "—"
+    return f"{100 * value:.1f}" + (f" ± {100 * std:.1f}" if std is not None else "")
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["| run | method | updates | success first → last (%) | exact RKL first → last | rounds first → last | "
+             "train wall-clock (s) | rollout / scoring / step / sync (s per update) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        success = (f"{_pct(r.get('success_first'), r.get('success_first_std'))} → "
+                   f"{_pct(r.get('success_last'), r.get('success_last_std'))}")
+        times = " / ".join(_num(r.get(f"mean_{name}_s"), 2 if name == "sync" else 1)
+                           for name in ("rollout", "scoring", "step", "sync"))
+        lines.append(f"| {r['run']} | {r['method']} | {r['updates']} | {success} | {_num(r.get('rkl_first'))} → "
+                     f"{_num(r.get('rkl_last'))} | {_num(r.get('rounds_first'), 1)} → {_num(r.get('rounds_last'), 1)} "
+                     f"| {_num(r.get('train_wall_s'), 0)} | {times} |")
+    lines.append("")
+    for r in rows:
+        if r.get("command"):
+            lines.append(f"- `{r['run']}`: `{r['command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.train_report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run folders of python -m experiments.train")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    folders = [Path(f) for f in args.runs]
+    missing = [str(f) for f in folders if not (f / "config.json").is_file()]
+    if missing:
+        print(f"error: not a training run folder (no config.json): {', '.join(missing)}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [describe_run(f) for f in folders]
+    for folder in folders:
+        target = out / folder.name
+        target.mkdir(exist_ok=True)
+        for name in COPIED:
+            if (folder / name).is_file():
+                shutil.copy2(folder / name, target / name)
+        if (folder / "eval").is_dir():
+            for evaluation in sorted((folder / "eval").iterdir()):
+                destination = target / "eval" / evaluation.name
+                destination.mkdir(parents=True, exist_ok=True)
+                for item in evaluation.iterdir():
+                    shutil.copy2(item, destination / item.name)
+    history = [point for row in rows for point in row["history"]]
+    if history:
+        plot_learning_curves(history, out)
+    (out / "runs.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "table.md").write_text(markdown(rows))
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

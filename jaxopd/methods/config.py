@@ -1,0 +1,212 @@
+"""The one configuration of a training run, its presets and each method's paper defaults.
+
+Owns ``RunConfig`` (every knob of a run: method, benchmark, models, schedule, optimisation, generation, engine,
+evaluation), the presets ``cpu`` / ``gpu`` / ``paper`` that size a run to a machine, and the order in which
+a config is built: the shared defaults (ActFirst-OPD Table 6), then the method's paper defaults (STI-OPD's
+setup table, ActionOPD Tables 7-8), then the preset, then the user's overrides. A config is printed at the start
+of a run and saved with it (``config.json``); resuming checks that the saved one matches.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping
+
+from jaxopd.methods.benchmarks import BENCHMARKS, EVAL_SPLITS, GAME_SOURCES
+
+METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallback", "actfirst-prefix-replay-50",
+           "actfirst-prefix-replay-100", "sti", "actionopd", "sft")
+PRESETS = ("cpu", "gpu", "paper")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Every setting of a run. Defaults are ActFirst-OPD's Table 6 (shared by all methods unless a method's
+    paper says otherwise, see ``METHOD_DEFAULTS``); ``build_config`` applies a preset and overrides.
+
+    Schedule: ``updates`` optimizer updates of ``batch_size`` turn-level responses each; ``rollout_slots``
+    episodes run concurrently (the paper's 16 runners); samples older than ``max_version_lag`` versions are
+    dropped. ActionOPD collects ``collection_tasks`` task starts with one policy snapshot, then trains one
+    epoch of ``batch_size`` minibatches over them. Checkpoints every ``checkpoint_every`` updates; evaluation
+    every ``eval_every`` updates (0: only before and after training) on ``eval_tasks`` tasks of ``eval_split``.
+    """
+
+    method: str = "actfirst"
+    benchmark: str = "alfworld"
+    preset: str = "paper"
+    games: str = "auto"
+    # models: Hugging Face folders, or a random-initialised preset when a folder is not given (smoke runs only)
+    student: str | None = None
+    teacher: str | None = None
+    student_model_preset: str = "qwen3-1.7b"
+    teacher_model_preset: str = "qwen3-8b"
+    # schedule
+    updates: int = 250
+    batch_size: int = 64
+    rollout_slots: int = 16
+    collection_tasks: int = 64
+    train_tasks: int | None = None
+    max_version_lag: int = 1
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    seed: int = 42
+    # optimisation (AdamW, constant lr, no warm-up)
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    clip_eps: float = 0.2
+    dual_clip: float = 3.0
+    loss: str | None = None                  # None: the method's loss (opd / sti-opd / action-opd / sft)
+    max_train_tokens: int = 16_384           # longest turn-level sample trained on (prompt + response)
+    logits_chunk_size: int | None = 1024
+    max_supervised_tokens: int | None = None   # project only the response positions (jaxopd.train.step)
+    # generation
+    max_turns: int = 30
+    max_prompt_tokens: int = 10_240
+    first_stage_tokens: int = 384
+    total_tokens: int = 512
+    second_stage_tokens: int = 128
+    fast_action_tokens: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    # ActionOPD (Table 7-8)
+    num_candidates: int = 4
+    num_teacher_samples: int = 3
+    match_bonus_scale: float = 0.5
+    teacher_temperature: float = 0.6
+    teacher_top_p: float = 0.95
+    # engine
+    page_size: int = 16
+    prefix_sharing: bool = True
+    # evaluation
+    eval_split: str | None = None            # None: the benchmark's unseen split (valid_unseen / eval)
+    eval_tasks: int | None = None
+    eval_every: int = 0
+    eval_seeds: tuple[int, ...] = (42, 43, 44)
+    eval_greedy: bool = False
+    eval_temperature: float = 0.4            # ActFirst-OPD App. C: evaluation samples at 0.4
+    # SFT (the teacher on walkthroughs): epochs over the walkthrough turns
+    sft_epochs: float = 3.0
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; expected one of {METHODS}")
+        if self.benchmark not in BENCHMARKS:
+            raise ValueError(f"unknown benchmark {self.benchmark!r}; expected one of {BENCHMARKS}")
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; expected one of {PRESETS}")
+        if self.games not in GAME_SOURCES:
+            raise ValueError(f"unknown game source {self.games!r}; expected one of {GAME_SOURCES}")
+        positive = ("updates", "batch_size", "rollout_slots", "collection_tasks", "checkpoint_every",
+                    "keep_checkpoints", "max_train_tokens", "max_turns", "max_prompt_tokens", "first_stage_tokens",
+                    "total_tokens", "fast_action_tokens", "num_candidates", "num_teacher_samples", "page_size")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RunConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("train_tasks", "eval_tasks", "logits_chunk_size", "max_supervised_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"RunConfig.{name} must be a positive integer or None, got {value!r}")
+        for name in ("max_version_lag", "eval_every", "second_stage_tokens", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"RunConfig.{name} must be a non-negative integer, got {value!r}")
+        for name in ("learning_rate", "max_grad_norm", "clip_eps", "dual_clip", "sft_epochs"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RunConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("temperature", "eval_temperature", "teacher_temperature", "weight_decay", "match_bonus_scale"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"RunConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("top_p", "teacher_top_p"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"RunConfig.{name} must lie in (0, 1], got {getattr(self, name)!r}")
+        if self.first_stage_tokens > self.total_tokens:
+            raise ValueError(f"RunConfig.first_stage_tokens ({self.first_stage_tokens}) exceeds total_tokens "
+                             f"({self.total_tokens})")
+        if self.eval_split is not None and self.eval_split not in EVAL_SPLITS[self.benchmark] + ("train",):
+            raise ValueError(f"unknown {self.benchmark} evaluation split {self.eval_split!r}; expected one of "
+                             f"{EVAL_SPLITS[self.benchmark]}")
+        if not self.eval_seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in self.eval_seeds):
+            raise ValueError(f"RunConfig.eval_seeds must be a non-empty tuple of integers, got {self.eval_seeds!r}")
+        object.__setattr__(self, "eval_seeds", tuple(self.eval_seeds))
+        if self.dual_clip <= 1:
+            raise ValueError(f"RunConfig.dual_clip must be > 1, got {self.dual_clip}")
+
+    @property
+    def resolved_eval_split(self) -> str:
+        return self.eval_split or EVAL_SPLITS[self.benchmark][-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+                for f in dataclasses.fields(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown RunConfig fields {unknown}")
+        values = dict(data)
+        if "eval_seeds" in values:
+            values["eval_seeds"] = tuple(values["eval_seeds"])
+        return cls(**values)
+
+    def describe(self) -> str:
+        """The config as aligned ``name = value`` lines (printed at the start of a run)."""
+        data = self.to_dict()
+        width = max(len(k) for k in data)
+        return "\n".join(f"  {k.ljust(width)} = {data[k]!r}" for k in sorted(data))
+
+
+# Each method's paper settings that differ from the shared (ActFirst-OPD Table 6) ones.
+METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
+    # STI-OPD setup table: 200 steps, batch 32 prompts (ALFWorld, ScienceWorld), lr 1e-6, clip 1.0, T 1.0, top-p 1.0
+    "sti": {"updates": 200, "batch_size": 32},
+    # ActionOPD Tables 7-8: 100 collection steps of 64 task starts, N=4, K=3, lambda 0.5, minibatch 32, one epoch,
+    # student T 0.6 / top-p 0.95 / top-k 20, teacher T 0.6 / top-p 0.95, 20 decisions (its ALFWorld-like limit)
+    "actionopd": {"updates": 100, "batch_size": 32, "collection_tasks": 64, "temperature": 0.6, "top_p": 0.95,
+                  "top_k": 20, "max_turns": 20},
+    # supervised fine-tuning of the teacher on walkthroughs (no paper: our own CPU teacher)
+    "sft": {"learning_rate": 1e-3, "weight_decay": 0.0, "batch_size": 16},
+}
+
+# Preset sizing. ``paper`` is the papers' setting; ``gpu`` one GPU; ``cpu`` a 2-core machine (tiny models,
+# short responses, a few updates); each also names the models a run uses without checkpoint folders.
+PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
+    "paper": {},
+    "gpu": {"rollout_slots": 16, "max_prompt_tokens": 4096, "max_train_tokens": 5120, "updates": 100,
+            "student_model_preset": "qwen3-0.6b", "teacher_model_preset": "qwen3-1.7b", "eval_tasks": 134},
+    "cpu": {"rollout_slots": 4, "batch_size": 16, "collection_tasks": 4, "updates": 20, "checkpoint_every": 5,
+            "max_prompt_tokens": 1024, "max_train_tokens": 1152, "first_stage_tokens": 24, "total_tokens": 48,
+            "second_stage_tokens": 16, "fast_action_tokens": 24, "max_turns": 20, "logits_chunk_size": None,
+            "max_supervised_tokens": 64,
+            "student_model_preset": "tiny", "teacher_model_preset": "tiny", "eval_tasks": 12,
+            "learning_rate": 1e-5},
+}
+# Method settings a preset may not override (they define the method, not the machine).
+_PRESET_KEEPS_METHOD = {"sft": {"learning_rate", "batch_size"}}
+
+
+def build_config(method: str, *, preset: str = "paper", **overrides: Any) -> RunConfig:
+    """Shared defaults, then ``METHOD_DEFAULTS[method]``, then ``PRESET_OVERRIDES[preset]``, then ``overrides``
+    (None values are ignored, so argparse defaults pass through)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {PRESETS}")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    method_defaults = METHOD_DEFAULTS.get(method, {})
+    keep = _PRESET_KEEPS_METHOD.get(method, set())
+    preset_values = {k: v for k, v in PRESET_OVERRIDES[preset].items() if k not in keep}
+    values: dict[str, Any] = {**method_defaults, **preset_values}
+    if preset == "cpu" and method == "actionopd":
+        values["batch_size"] = 8
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return RunConfig(method=method, preset=preset, **values)
+
+
+__all__ = ["METHODS", "PRESETS", "RunConfig", "METHOD_DEFAULTS", "PRESET_OVERRIDES", "build_config"]

@@ -1,0 +1,475 @@
+"""The training loop shared by every distillation method: asynchronous rollouts, teacher scoring, the sharded
+update, weight sync, checkpoints, evaluation and metrics.
+
+Owns ``Trainer``. Rollout runners (``RunConfig.rollout_slots`` host threads, the papers' runners) play training
+tasks with the method's strategy on the student's paged-KV engine and stream finished trajectories into a FIFO
+``SampleBuffer`` whose version-lag bound (<= 1) drops stale samples. The trainer waits for ``batch_size``
+fresh samples, fills the teacher's log-probabilities on the teacher mesh, runs the jitted train step on the
+trainer mesh, and syncs the new weights to the rollout engine after every update (responses record the
+version they were sampled with). ActionOPD instead collects ``collection_tasks`` task starts with one
+behaviour snapshot and trains one epoch of minibatches over them (its App. A.4).
+
+Checkpoints (orbax: train state + buffer + cursor) are written every ``checkpoint_every`` updates at the moment
+the next batch is already buffered, so a resumed run takes exactly the batch an uninterrupted one would have
+taken: the next loss is the same. Rollouts that were in flight when a run stopped are replayed from the task
+cursor on resume.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from envs.base import Task
+from jaxopd.methods import registry
+from jaxopd.methods.base import Method, RolloutResources
+from jaxopd.methods.benchmarks import TRAIN_SPLIT, BenchmarkSource, references_for, subset
+from jaxopd.methods.config import RunConfig
+from jaxopd.methods.metrics_log import MetricsWriter
+from jaxopd.models.qwen3 import Qwen3
+from jaxopd.models.sharding import copy_to, named_shardings
+from jaxopd.rollout.scoring import EngineTeacherScorer
+from jaxopd.rollout.trajectory import Trajectory, rollout_quality
+from jaxopd.sampler.engine import Engine, EngineConfig
+from jaxopd.train.buffer import Sample, SampleBuffer, collate_samples
+from jaxopd.train.checkpoint import TrainCheckpointer
+from jaxopd.train.mesh import RolePlan, build_meshes
+from jaxopd.train.step import (OptimizerConfig, abstract_train_state, batch_shardings, check_supervised_fit,
+                               init_train_state,
+                               make_optimizer, make_teacher_scorer, make_train_step, place_batch, score_batch,
+                               train_state_shardings)
+from jaxopd.train.sync import WeightSync
+
+__all__ = ["Trainer", "engine_config_for", "batch_length", "CONFIG_FILE"]
+
+CONFIG_FILE = "config.json"
+# fields a resumed run may change (how long it runs and how it reports), every other field must match
+_RESUMABLE_CHANGES = {"updates", "eval_every", "eval_tasks", "eval_seeds", "checkpoint_every", "keep_checkpoints"}
+
+
+def engine_config_for(config: RunConfig, method: Method, *, scoring: bool = False) -> EngineConfig:
+    """An engine that holds every concurrent request of the run at its longest without preemption."""
+    longest = config.max_prompt_tokens + max(config.total_tokens, config.fast_action_tokens) + 8
+    page = config.page_size
+    max_seq_len = math.ceil(longest / page) * page
+    per_episode = {"actionopd": config.num_candidates + config.num_teacher_samples}.get(method.name, 2)
+    slots = max(2, config.rollout_slots * per_episode)
+    chunk = min(512, max_seq_len)
+    return EngineConfig(max_slots=slots, page_size=page, num_pages=slots * (max_seq_len // page) + 1,
+                        max_seq_len=max_seq_len, prefill_chunk=chunk, max_prefill_tokens=max(chunk, 1024),
+                        max_prefill_rows=4, prefix_sharing=config.prefix_sharing, scoring=scoring)
+
+
+def batch_length(longest: int, limit: int) -> int:
+    """Training batches are padded to a multiple of 128 tokens (at most ``limit`` rounded up to 16): few shapes,
+    little padding."""
+    return max(longest, min(-(-longest // 128) * 128, -(-limit // 16) * 16))
+
+
+@dataclasses.dataclass
+class _Finished:
+    index: int
+    trajectory: Trajectory | None
+    error: str | None = None
+
+
+class _Runners:
+    """``slots`` host threads that play training tasks ``task_at(i)`` for i = cursor, cursor + 1, ... and put
+    every finished episode on ``results``. ``pause()`` stops starting episodes and waits for the running ones."""
+
+    def __init__(self, strategy: Any, slots: int, task_at: Callable[[int], tuple[Task, Any, int]], start: int):
+        self.strategy = strategy
+        self.task_at = task_at
+        self.results: queue.Queue[_Finished] = queue.Queue()
+        self._next = start
+        self._lock = threading.Lock()
+        self._running = threading.Event()
+        self._stop = threading.Event()
+        self._busy = 0
+        self._idle = threading.Condition(self._lock)
+        self._threads = [threading.Thread(target=self._loop, args=(slot,), name=f"rollout-runner-{slot}",
+                                          daemon=True) for slot in range(slots)]
+        self._in_flight: set[int] = set()
+        for thread in self._threads:
+            thread.start()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def pause(self) -> None:
+        self._running.clear()
+        with self._idle:
+            self._idle.wait_for(lambda: self._busy == 0)
+
+    def low_water(self) -> int:
+        """The first task index whose episode has not been delivered: where a resumed run starts again."""
+        with self._lock:
+            return min(self._in_flight) if self._in_flight else self._next
+
+    def close(self) -> None:
+        self._stop.set()
+        self._running.set()
+        for thread in self._threads:
+            thread.join(timeout=600)
+
+    def _loop(self, slot: int) -> None:
+        while True:
+            self._running.wait()
+            if self._stop.is_set():
+                return
+            with self._lock:
+                if not self._running.is_set():
+                    continue
+                index = self._next
+                self._next += 1
+                self._busy += 1
+                self._in_flight.add(index)
+            try:
+                task, reference, seed = self.task_at(index)
+                try:
+                    trajectory = self.strategy.run_episode(slot, task, reference, seed=seed)
+                    finished = _Finished(index, trajectory)
+                except Exception as error:  # noqa: BLE001 - one failed episode never stops the run
+                    finished = _Finished(index, None, f"{type(error).__name__}: {error}")
+                self.results.put(finished)
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._in_flight.discard(index)
+                    self._idle.notify_all()
+
+
+class Trainer:
+    """One training run (see the module docstring). Build it with the student and teacher models (Qwen3 modules
+    that share the tokenizer), the tokenizer, the task source and an output directory; ``run()`` trains until
+    ``config.updates`` updates and returns the summary. A directory with checkpoints is resumed.
+
+    ``evaluate``: optional ``fn(engine, update) -> dict`` called with the student's rollout engine (current
+    weights) before training, every ``eval_every`` updates and at the end; its result is logged as ``eval``.
+    ``tasks`` / ``references`` override the training tasks (default: the source's train split, a
+    ``train_tasks`` subset) and their references.
+    """
+
+    def __init__(self, config: RunConfig, *, student: Qwen3, teacher: Qwen3 | None, tokenizer: Any,
+                 source: BenchmarkSource, out_dir: str | os.PathLike, progress: bool = True,
+                 evaluate: Callable[[Any, int], Mapping[str, Any]] | None = None,
+                 tasks: Sequence[Task] | None = None, references: Mapping[str, Any] | None = None,
+                 tensorboard: bool = True, log: Callable[[str], None] = print):
+        self.config = config
+        self.method = registry.make_method(config)
+        if config.method == "sft":
+            raise ValueError("the sft method trains on walkthroughs: use jaxopd.methods.sft.train_sft")
+        if teacher is None and (self.method.uses_teacher_engine or self.method.loss_config().needs_teacher_logp):
+            raise ValueError(f"{config.method} needs a teacher model")
+        if teacher is not None and teacher.config.vocab_size != student.config.vocab_size:
+            raise ValueError(f"the teacher's vocabulary ({teacher.config.vocab_size}) differs from the student's "
+                             f"({student.config.vocab_size}); OPD compares their log-probabilities token by token")
+        self.student, self.teacher, self.tokenizer, self.source = student, teacher, tokenizer, source
+        self.out_dir = Path(out_dir)
+        self.progress = progress
+        self.evaluate_fn = evaluate
+        self.log = log
+        self._tasks_override = list(tasks) if tasks is not None else None
+        self._references_override = references
+        self._tensorboard = tensorboard
+
+    # ------------------------------------------------------------------ set-up
+    def _check_config(self) -> None:
+        path = self.out_dir / CONFIG_FILE
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            mine = self.config.to_dict()
+            changed = sorted(k for k in set(saved) | set(mine)
+                             if saved.get(k) != mine.get(k) and k not in _RESUMABLE_CHANGES)
+            if changed:
+                raise ValueError(f"{self.out_dir} holds a run with a different config ({', '.join(changed)} differ); "
+                                 "use another --out or the same settings")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.config.to_json() + "\n")
+
+    def _training_tasks(self) -> list[Task]:
+        if self._tasks_override is not None:
+            return self._tasks_override
+        return subset(self.source.tasks(TRAIN_SPLIT[self.config.benchmark]), self.config.train_tasks,
+                      seed=self.config.seed)
+
+    def _task_at(self, index: int) -> tuple[Task, Any, int]:
+        """Training task ``index`` of the run's endless stream: epoch by epoch, each a seeded permutation."""
+        epoch, position = divmod(index, len(self.tasks))
+        order = self._orders.get(epoch)
+        if order is None:
+            order = self._orders[epoch] = np.random.default_rng([self.config.seed, epoch]).permutation(len(self.tasks))
+        task = self.tasks[int(order[position])]
+        seed = int(np.random.SeedSequence([self.config.seed, index]).generate_state(1, np.uint32)[0])
+        return task, (self.references or {}).get(task.task_id), seed
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> dict[str, Any]:
+        config, method = self.config, self.method
+        self._check_config()
+        self.log(f"run config ({config.method} on {config.benchmark}, preset {config.preset}):\n{config.describe()}")
+        loss_config = method.loss_config()
+        meshes = build_meshes(RolePlan.for_device_count(len(jax.devices())))
+        graphdef, params = nnx.split(self.student, nnx.Param)
+        optimizer = make_optimizer(OptimizerConfig(learning_rate=config.learning_rate,
+                                                   weight_decay=config.weight_decay,
+                                                   max_grad_norm=config.max_grad_norm))
+        state_shardings = train_state_shardings(params, optimizer, meshes.trainer)
+        rows = batch_shardings(meshes.trainer)
+        train_step = make_train_step(graphdef, optimizer, loss_config, state_shardings, rows)
+        sync = WeightSync.for_mesh(params, meshes.rollout)
+
+        checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", max_to_keep=config.keep_checkpoints)
+        meta: dict[str, Any] = {"cursor": 0, "collections": 0, "wall_s": 0.0, "episodes": 0, "failed_episodes": 0}
+        if checkpointer.latest_step() is not None:
+            restored = checkpointer.restore(abstract_train_state(params, optimizer, state_shardings))
+            state, buffer = restored.state, restored.buffer or SampleBuffer(config.max_version_lag)
+            meta.update(restored.metadata)
+            self.log(f"resumed from the checkpoint of update {restored.step} ({len(buffer)} buffered samples, "
+                     f"task cursor {meta['cursor']})")
+        else:
+            state, buffer = init_train_state(params, optimizer, state_shardings), SampleBuffer(config.max_version_lag)
+        version = int(jax.device_get(state.step))
+        self.state = state          # the current train state, for evaluation hooks
+
+        scorer = teacher_params = None
+        if loss_config.needs_teacher_logp:
+            teacher_graphdef, teacher_state = nnx.split(self.teacher, nnx.Param)
+            teacher_shardings = named_shardings(teacher_state, meshes.teacher)
+            teacher_params = copy_to(teacher_state, teacher_shardings)
+            scorer = make_teacher_scorer(teacher_graphdef, teacher_shardings, meshes.teacher,
+                                         temperature=loss_config.temperature,
+                                         logits_chunk_size=loss_config.logits_chunk_size,
+                                         max_supervised_tokens=loss_config.max_supervised_tokens)
+
+        self.tasks = self._training_tasks()
+        if not self.tasks:
+            raise ValueError("no training tasks")
+        self._orders: dict[int, np.ndarray] = {}
+        self.references = self._references_override
+        if method.needs_references and self.references is None:
+            self.references = references_for(self.source, self.tasks, progress=self.progress)
+
+        from envs.pool import EnvPool
+        engine = Engine(self.student, engine_config_for(config, method), tokenizer=self.tokenizer,
+                        policy_version=version)
+        teacher_engine = None
+        if method.uses_teacher_engine:
+            teacher_engine = Engine(self.teacher, engine_config_for(config, method, scoring=True),
+                                    tokenizer=self.tokenizer)
+        pool = EnvPool(self.source.env_factory, config.rollout_slots)
+        writer = MetricsWriter(self.out_dir, tensorboard=self._tensorboard)
+        runners = None
+        try:
+            engine.start()
+            if teacher_engine is not None:
+                teacher_engine.start()
+            if version > 0:     # the engine serves the restored student
+                engine.update_weights(sync(state.params, version).params, version=version)
+            resources = RolloutResources(
+                engine=engine, pool=pool, tokenizer=self.tokenizer, teacher_engine=teacher_engine,
+                teacher_scorer=(EngineTeacherScorer(teacher_engine, temperature=loss_config.temperature)
+                                if teacher_engine is not None else None),
+                references=self.references)
+            strategy = method.build_strategy(resources)
+            strategy.policy_version = version
+            self.engine, self.strategy = engine, strategy
+            if self.evaluate_fn is not None and version == 0 and not (self.out_dir / "eval.jsonl").is_file():
+                writer.write("eval", 0, {"wall_s": 0.0, **self.evaluate_fn(engine, 0)})
+
+            progress = None
+            if self.progress:
+                from tqdm import tqdm
+                progress = tqdm(total=config.updates, initial=version, desc=f"{config.method} updates", unit="update")
+            if not method.trains_in_collections:
+                runners = _Runners(strategy, config.rollout_slots, self._task_at, int(meta["cursor"]))
+                runners.resume()
+            pending: list[Trajectory] = []
+            wall_start = time.perf_counter() - float(meta["wall_s"])
+            last_saved = version
+            while version < config.updates:
+                timings: dict[str, float] = {}
+                t0 = time.perf_counter()
+                # 1. samples: stream (vanilla / ActFirst / STI) or one collection (ActionOPD)
+                if method.trains_in_collections:
+                    while buffer.available(version) == 0:
+                        start = int(meta["cursor"])
+                        picks = [self._task_at(i) for i in range(start, start + config.collection_tasks)]
+                        trajectories = self._collect(strategy, picks)
+                        meta["cursor"] = start + config.collection_tasks
+                        collection = int(meta["collections"])
+                        meta["collections"] = collection + 1
+                        meta["episodes"] += len(trajectories)
+                        meta["failed_episodes"] += len(picks) - len(trajectories)
+                        pending.extend(trajectories)
+                        buffer.add(self._fit(method.samples(trajectories, collection_id=collection)))
+                else:
+                    while buffer.available(version) < config.batch_size:
+                        finished = runners.results.get()
+                        if finished.trajectory is None:
+                            meta["failed_episodes"] += 1
+                            self.log(f"training episode {finished.index} failed: {finished.error}")
+                            continue
+                        meta["episodes"] += 1
+                        pending.append(finished.trajectory)
+                        buffer.add(self._fit(method.samples([finished.trajectory])))
+                        meta["cursor"] = runners.low_water()
+                timings["rollout_s"] = time.perf_counter() - t0
+                # 2. checkpoint with the next batch buffered: a resume takes the same batch
+                if version % config.checkpoint_every == 0 and version != last_saved:
+                    t1 = time.perf_counter()
+                    meta["wall_s"] = time.perf_counter() - wall_start
+                    checkpointer.save(state, buffer, self._meta(meta, runners))
+                    last_saved = version
+                    timings["checkpoint_s"] = time.perf_counter() - t1
+                # 3. the update
+                # ActionOPD's epoch ends with a smaller minibatch (padded with empty rows: same shape)
+                samples = buffer.take(config.batch_size, version, allow_partial=method.trains_in_collections)
+                host_batch = collate_samples(samples, batch_size=config.batch_size,
+                                             length=batch_length(max(len(s) for s in samples), config.max_train_tokens))
+                check_supervised_fit(host_batch.loss_mask, loss_config.max_supervised_tokens)
+                t1 = time.perf_counter()
+                if scorer is not None:
+                    batch = score_batch(scorer, teacher_params, host_batch, rows)
+                    jax.block_until_ready(batch.teacher_logp)
+                else:
+                    batch = place_batch(host_batch, rows)
+                timings["scoring_s"] = time.perf_counter() - t1
+                t1 = time.perf_counter()
+                state, metrics = train_step(state, batch)
+                self.state = state
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                timings["step_s"] = time.perf_counter() - t1
+                version += 1
+                # 4. weight sync to the rollout engine
+                t1 = time.perf_counter()
+                engine.update_weights(sync(state.params, version).params, version=version)
+                strategy.policy_version = version
+                timings["sync_s"] = time.perf_counter() - t1
+                record = {**metrics, **timings, **self._batch_stats(samples, host_batch, version),
+                          **self._rollout_stats(pending), "wall_s": time.perf_counter() - wall_start,
+                          "buffer": len(buffer), "dropped_stale": buffer.stats.dropped_stale,
+                          "episodes": meta["episodes"], "failed_episodes": meta["failed_episodes"]}
+                pending = []
+                if not all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm")):
+                    raise FloatingPointError(f"update {version}: non-finite loss or gradient {metrics}")
+                writer.write("train", version, record)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(loss=f"{metrics['loss']:.4f}", buffer=len(buffer))
+                if self.evaluate_fn is not None and config.eval_every and version % config.eval_every == 0 \
+                        and version < config.updates:
+                    wall_start += self._evaluate(writer, runners, version, wall_start)
+            meta["wall_s"] = time.perf_counter() - wall_start
+            if runners is not None:
+                runners.pause()
+            if version != last_saved:
+                checkpointer.save(state, buffer, self._meta(meta, runners))
+            if self.evaluate_fn is not None and not self._has_eval(version):
+                self._evaluate(writer, None, version, wall_start, wall_s=meta["wall_s"])
+            if progress is not None:
+                progress.close()
+            return {"updates": version, "wall_s": meta["wall_s"], "episodes": meta["episodes"],
+                    "failed_episodes": meta["failed_episodes"], "dropped_stale": buffer.stats.dropped_stale,
+                    "out_dir": str(self.out_dir)}
+        finally:
+            if runners is not None:
+                runners.close()
+            writer.close()
+            checkpointer.close()
+            pool.close()
+            engine.stop()
+            if teacher_engine is not None:
+                teacher_engine.stop()
+
+    # ------------------------------------------------------------------ helpers
+    def _fit(self, samples: list[Sample]) -> list[Sample]:
+        """Samples longer than ``max_train_tokens`` cannot be trained on; they are dropped and counted."""
+        kept = [s for s in samples if len(s) <= self.config.max_train_tokens]
+        self._too_long = getattr(self, "_too_long", 0) + len(samples) - len(kept)
+        return kept
+
+    def _collect(self, strategy: Any, picks: Sequence[tuple[Task, Any, int]]) -> list[Trajectory]:
+        """One ActionOPD collection: every pick played once, ``rollout_slots`` at a time, in pick order."""
+        slots: queue.SimpleQueue = queue.SimpleQueue()
+        for slot in range(self.config.rollout_slots):
+            slots.put(slot)
+
+        def play(pick):
+            slot = slots.get()
+            try:
+                task, reference, seed = pick
+                return strategy.run_episode(slot, task, reference, seed=seed)
+            finally:
+                slots.put(slot)
+
+        with concurrent.futures.ThreadPoolExecutor(self.config.rollout_slots) as executor:
+            futures = [executor.submit(play, pick) for pick in picks]
+            trajectories = []
+            for future in futures:
+                try:
+                    trajectories.append(future.result())
+                except Exception as error:  # noqa: BLE001 - one failed episode never stops the run
+                    self.log(f"collection episode failed: {type(error).__name__}: {error}")
+            return trajectories
+
+    def _meta(self, meta: dict[str, Any], runners: _Runners | None) -> dict[str, Any]:
+        if runners is not None:
+            meta["cursor"] = runners.low_water()
+        return {k: (float(v) if isinstance(v, float) else int(v)) for k, v in meta.items()}
+
+    @staticmethod
+    def _batch_stats(samples: Sequence[Sample], batch: Any, version: int) -> dict[str, float]:
+        mask = np.asarray(batch.loss_mask)
+        teacher = np.asarray(batch.teacher_generated) & mask
+        lags = [version - 1 - s.policy_version for s in samples]
+        return {"batch_samples": len(samples), "batch_tokens": int(mask.sum()),
+                "teacher_token_fraction_batch": float(teacher.sum() / max(1, mask.sum())),
+                "version_lag_mean": float(np.mean(lags)), "version_lag_max": int(np.max(lags))}
+
+    @staticmethod
+    def _rollout_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        if not trajectories:
+            return {}
+        quality = rollout_quality(trajectories)
+        sources: dict[str, int] = {}
+        for trajectory in trajectories:
+            for turn in trajectory.turns:
+                sources[turn.action_source] = sources.get(turn.action_source, 0) + 1
+        turns = max(1, sum(sources.values()))
+        stats = {"rollout_episodes": len(trajectories),
+                 "rollout_success_rate": float(np.mean([t.won for t in trajectories])),
+                 "rollout_mean_turns": float(np.mean([t.num_turns for t in trajectories]))}
+        stats.update({f"rollout_{name}": float(value) for name, value in dataclasses.asdict(quality).items()
+                      if isinstance(value, (int, float)) and not isinstance(value, bool)})
+        stats.update({f"action_source_{name}": count / turns for name, count in sorted(sources.items())})
+        return stats
+
+    def _has_eval(self, version: int) -> bool:
+        from jaxopd.methods.metrics_log import read_jsonl
+        return any(r.get("step") == version for r in read_jsonl(self.out_dir / "eval.jsonl"))
+
+    def _evaluate(self, writer: MetricsWriter, runners: _Runners | None, version: int, wall_start: float,
+                  wall_s: float | None = None) -> float:
+        """Evaluates the current student (rollouts paused); returns the seconds it took, which the training
+        wall-clock does not count."""
+        if runners is not None:
+            runners.pause()
+        wall = time.perf_counter() - wall_start if wall_s is None else wall_s
+        t0 = time.perf_counter()
+        result = dict(self.evaluate_fn(self.engine, version))
+        writer.write("eval", version, {"wall_s": wall, "eval_s": time.perf_counter() - t0, **result})
+        if runners is not None:
+            runners.resume()
+        return time.perf_counter() - t0

@@ -1,0 +1,127 @@
+"""Supervised fine-tuning of a Qwen3 on walkthrough turns: how this project makes a competent teacher (and a
+weaker starting student) without downloading a checkpoint.
+
+Owns ``train_sft``: the sharded train step with the ``sft`` loss over a seeded, resumable ``SFTDataset``
+(``jaxopd.methods.sft_data``), orbax checkpoints every ``checkpoint_every`` steps (state + data position),
+per-step metrics (JSONL + TensorBoard) and optional evaluation every ``eval_every`` steps through the same hook
+as the distillation loop (``fn(model, step) -> dict``).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+from flax import nnx
+
+from jaxopd.methods.loop import batch_length
+from jaxopd.methods.metrics_log import MetricsWriter
+from jaxopd.methods.sft_data import SFTDataset
+from jaxopd.models.qwen3 import Qwen3
+from jaxopd.train.buffer import Sample, collate_samples
+from jaxopd.train.checkpoint import TrainCheckpointer
+from jaxopd.train.mesh import RolePlan, build_meshes
+from jaxopd.train.step import (LossConfig, OptimizerConfig, abstract_train_state, batch_shardings,
+                               check_supervised_fit, init_train_state, make_optimizer, make_train_step, place_batch,
+                               train_state_shardings)
+
+__all__ = ["train_sft", "sft_steps"]
+
+
+def sft_steps(num_samples: int, batch_size: int, epochs: float) -> int:
+    """Steps of ``epochs`` passes over ``num_samples`` samples in batches of ``batch_size`` (at least 1)."""
+    return max(1, math.ceil(epochs * math.ceil(num_samples / batch_size)))
+
+
+def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLike, *, steps: int, batch_size: int,
+              learning_rate: float, weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0,
+              max_train_tokens: int = 2048, max_supervised_tokens: int | None = 64, checkpoint_every: int = 50,
+              eval_every: int = 0, evaluate: Callable[[Qwen3, int], Mapping[str, Any]] | None = None,
+              progress: bool = True, tensorboard: bool = True, log: Callable[[str], None] = print) -> Qwen3:
+    """Trains ``model`` for ``steps`` steps of ``batch_size`` samples; returns the model with the trained weights.
+
+    Resumes from ``out_dir/checkpoints`` when it holds a checkpoint (the data order continues exactly).
+    ``evaluate(model, step)`` runs before training (step 0, fresh runs only), every ``eval_every`` steps and at
+    the end; its result goes to ``eval.jsonl`` with the training wall-clock (evaluation time excluded).
+    """
+    if not samples:
+        raise ValueError("no SFT samples")
+    too_long = [len(s) for s in samples if len(s) > max_train_tokens]
+    if too_long:
+        raise ValueError(f"{len(too_long)} SFT samples exceed max_train_tokens {max_train_tokens} "
+                         f"(longest {max(too_long)}); raise it or lower the prompt budget")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dataset = SFTDataset(samples, batch_size, seed=seed)
+    loss_config = LossConfig(kind="sft", temperature=1.0, max_supervised_tokens=max_supervised_tokens)
+    meshes = build_meshes(RolePlan.for_device_count(len(jax.devices())))
+    graphdef, params = nnx.split(model, nnx.Param)
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=learning_rate, weight_decay=weight_decay,
+                                               max_grad_norm=max_grad_norm))
+    shardings = train_state_shardings(params, optimizer, meshes.trainer)
+    rows = batch_shardings(meshes.trainer)
+    train_step = make_train_step(graphdef, optimizer, loss_config, shardings, rows)
+    checkpointer = TrainCheckpointer(out_dir / "checkpoints", max_to_keep=2)
+    wall = 0.0
+    if checkpointer.latest_step() is not None:
+        restored = checkpointer.restore(abstract_train_state(params, optimizer, shardings))
+        state, wall = restored.state, float(restored.metadata.get("wall_s", 0.0))
+        log(f"resumed SFT at step {restored.step}")
+    else:
+        state = init_train_state(params, optimizer, shardings)
+    step = int(jax.device_get(state.step))
+    writer = MetricsWriter(out_dir, tensorboard=tensorboard)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=steps, initial=step, desc="sft steps", unit="step")
+
+    def current_model() -> Qwen3:
+        trained = nnx.merge(graphdef, jax.device_get(state.params))
+        return trained
+
+    def run_eval(at: int, wall_s: float) -> float:
+        t0 = time.perf_counter()
+        result = dict(evaluate(current_model(), at))
+        writer.write("eval", at, {"wall_s": wall_s, "eval_s": time.perf_counter() - t0, **result})
+        return time.perf_counter() - t0
+
+    try:
+        if evaluate is not None and step == 0 and not (out_dir / "eval.jsonl").is_file():
+            run_eval(0, 0.0)
+        start = time.perf_counter() - wall
+        epoch, index = dataset.position(step)
+        batches = dataset.batches(epoch, index)
+        while step < steps:
+            batch_samples = next(batches, None)
+            if batch_samples is None:
+                epoch += 1
+                batches = dataset.batches(epoch)
+                continue
+            host = collate_samples(batch_samples, batch_size=batch_size,
+                                   length=batch_length(max(len(s) for s in batch_samples), max_train_tokens))
+            check_supervised_fit(host.loss_mask, max_supervised_tokens)
+            t0 = time.perf_counter()
+            state, metrics = train_step(state, place_batch(host, rows))
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            step += 1
+            if not math.isfinite(metrics["loss"]):
+                raise FloatingPointError(f"SFT step {step}: non-finite loss {metrics}")
+            writer.write("train", step, {**metrics, "step_s": time.perf_counter() - t0, "epoch": epoch,
+                                         "wall_s": time.perf_counter() - start})
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+            if step % checkpoint_every == 0 or step == steps:
+                checkpointer.save(state, metadata={"wall_s": time.perf_counter() - start})
+            if evaluate is not None and ((eval_every and step % eval_every == 0) or step == steps):
+                start += run_eval(step, time.perf_counter() - start)
+    finally:
+        if bar is not None:
+            bar.close()
+        writer.close()
+        checkpointer.close()
+    return current_model()

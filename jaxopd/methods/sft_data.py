@@ -1,0 +1,256 @@
+"""Supervised fine-tuning data: walkthrough demonstrations as turn-level training samples for a teacher.
+
+Owns the teacher's target answer for one turn (:func:`response_text`: Qwen3's empty thinking block and the
+``<action>`` tag, what the rollout's full think-then-act mode parses), the per-turn prompt inputs of a
+reference trajectory built exactly as a live rollout builds them (:func:`walkthrough_turns`, mirroring
+``RolloutStrategy.prompt_inputs``, so an SFT prompt is byte-identical to the prompt the agent sees at that
+state), their tokenisation into ``train.buffer.Sample`` records under the rollout's prompt budget
+(:func:`walkthrough_samples`, with its counts in :class:`WalkthroughStats`), and :class:`SFTDataset`, a
+seeded per-epoch shuffle into fixed-size lists of samples that a run can resume at (epoch, batch index).
+
+The samples train with ``LossConfig(kind="sft", temperature=1.0)`` (``jaxopd.losses.sft_loss``): the loss
+mask covers the response tokens and its closing end-of-turn token, never the prompt; behaviour log-probs
+are zeros (nothing was sampled) and the policy version is 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from envs.references import ReferenceTrajectory
+from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, render_prompt
+from jaxopd.rollout.tags import ACTION_END, ACTION_START, THINK_END, THINK_START
+from jaxopd.train.buffer import Sample
+
+__all__ = ["SFT_MODE", "response_text", "WalkthroughTurn", "walkthrough_turns", "WalkthroughStats",
+           "walkthrough_samples", "SFTDataset"]
+
+SFT_MODE = "full"
+"""The generation mode whose prompts SFT trains on: the full think-then-act mode of the rollouts, whose
+prompt ends at the open assistant turn (thinking on), so the response starts with ``<think>``."""
+
+
+def response_text(action: str) -> str:
+    """The teacher's answer for one turn: an empty thinking block followed by the action tag.
+
+    ``<think>\\n\\n</think>\\n\\n<action>{action}</action>``: what Qwen3's chat template writes for an assistant
+    turn without reasoning, and what ``jaxopd.rollout.actions.extract_action`` parses back to ``action``. The
+    end-of-turn token (``<|im_end|>``, the tokenizer's ``eos_token_id``) follows it in a sample's ids.
+    """
+    if not isinstance(action, str):
+        raise ValueError(f"response_text expects a str action, got {type(action).__name__}")
+    if not action.strip() or action != action.strip():
+        raise ValueError(f"the action must be non-empty and carry no surrounding whitespace, got {action!r}")
+    for tag in (THINK_START, THINK_END, ACTION_START, ACTION_END):
+        if tag in action:
+            raise ValueError(f"the action {action!r} contains the tag {tag!r}")
+    return f"{THINK_START}\n\n{THINK_END}\n\n{ACTION_START}{action}{ACTION_END}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Turns of a reference
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class WalkthroughTurn:
+    """Turn ``turn`` (1-based) of a reference: the prompt inputs the agent has in that state and the action
+    the walkthrough took there."""
+
+    task_id: str
+    turn: int
+    inputs: PromptInputs
+    action: str
+
+
+def _benchmark_of(reference: ReferenceTrajectory, benchmark: str | None) -> str:
+    stored = reference.benchmark or None
+    if benchmark is not None and stored is not None and stored != benchmark:
+        raise ValueError(f"reference {reference.task_id} is a {stored} reference, not {benchmark}")
+    resolved = stored or benchmark or "alfworld"
+    if resolved != "alfworld":
+        # ScienceWorld references keep no admissible actions nor objects (envs.references._STORE_ADMISSIBLE),
+        # so the prompt of the live state cannot be rebuilt from them.
+        raise ValueError(f"walkthrough prompts need the stored admissible actions of each state, which only "
+                         f"ALFWorld references keep; reference {reference.task_id} is {resolved}")
+    return resolved
+
+
+def walkthrough_turns(reference: ReferenceTrajectory, *, benchmark: str | None = None) -> list[WalkthroughTurn]:
+    """One record per turn t = 1..T of ``reference``: its ``PromptInputs`` and the walkthrough action a_t.
+
+    Built as ``RolloutStrategy.prompt_inputs`` builds a live turn's inputs after the agent executed
+    a_1..a_{t-1}: the episode's instruction, the history of (o_i, a_i) pairs for i < t (observation texts, the
+    executed action strings), the current observation o_t and its admissible actions (no reference next
+    observation: the full mode does not show one). ``benchmark`` defaults to the reference's own (only
+    ALFWorld references store the admissible actions a prompt needs).
+    """
+    if not isinstance(reference, ReferenceTrajectory):
+        raise ValueError(f"walkthrough_turns takes a ReferenceTrajectory, got {type(reference).__name__}")
+    benchmark = _benchmark_of(reference, benchmark)
+    if not reference.records:
+        raise ValueError(f"reference {reference.task_id} was stored without observation records "
+                         "(the admissible actions of each state)")
+    if not reference.instruction:
+        raise ValueError(f"reference {reference.task_id} has no instruction")
+    turns = []
+    for index, action in enumerate(reference.actions):
+        record = reference.records[index]
+        if record.done:
+            raise ValueError(f"reference {reference.task_id}: the episode is over before its turn {index + 1}")
+        inputs = PromptInputs(benchmark=benchmark, instruction=reference.instruction,
+                              history=tuple(zip(reference.observations[:index], reference.actions[:index])),
+                              observation=record.text, admissible_actions=record.admissible_actions,
+                              action_templates=record.action_templates)
+        turns.append(WalkthroughTurn(task_id=reference.task_id, turn=index + 1, inputs=inputs, action=action))
+    return turns
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Samples
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class WalkthroughStats:
+    """Counts of one :func:`walkthrough_samples` call.
+
+    ``turns``: walkthrough turns seen; ``samples``: samples made; ``skipped``: turns whose prompt exceeded the
+    budget even without history (``PromptOverBudget``); ``history_truncated``: samples whose prompt dropped
+    some of the history; ``prompt_tokens`` / ``response_tokens``: totals over the samples (a response counts
+    its end-of-turn token); ``max_prompt_tokens`` / ``max_response_tokens``: the longest of each.
+    """
+
+    references: int = 0
+    turns: int = 0
+    samples: int = 0
+    skipped: int = 0
+    history_truncated: int = 0
+    prompt_tokens: int = 0
+    response_tokens: int = 0
+    max_prompt_tokens: int = 0
+    max_response_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.response_tokens
+
+    @property
+    def mean_prompt_tokens(self) -> float:
+        return self.prompt_tokens / self.samples if self.samples else 0.0
+
+    @property
+    def mean_response_tokens(self) -> float:
+        return self.response_tokens / self.samples if self.samples else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {**dataclasses.asdict(self), "tokens": self.tokens, "mean_prompt_tokens": self.mean_prompt_tokens,
+                "mean_response_tokens": self.mean_response_tokens}
+
+
+def _reference_list(references: Mapping[str, ReferenceTrajectory] | Iterable[ReferenceTrajectory]
+                    ) -> list[ReferenceTrajectory]:
+    if isinstance(references, ReferenceTrajectory):
+        return [references]
+    if isinstance(references, Mapping):
+        return list(references.values())
+    return list(references)
+
+
+def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable[ReferenceTrajectory], tokenizer,
+                        *, max_prompt_tokens: int, benchmark: str = "alfworld"
+                        ) -> tuple[list[Sample], WalkthroughStats]:
+    """Every walkthrough turn of ``references`` as an SFT sample, and the counts.
+
+    A sample's ids are the full-mode prompt, rendered by ``render_prompt`` under ``max_prompt_tokens`` exactly
+    as a rollout renders it (oldest history pairs dropped first), followed by the ids of
+    :func:`response_text` of the turn's action and the tokenizer's end-of-turn token (``<|im_end|>``).
+    ``loss_mask`` is True exactly on those response ids; ``behavior_logp`` is zeros and ``policy_version`` 0.
+    A turn whose prompt does not fit even without history is skipped and counted in ``stats.skipped``.
+
+    ``references``: a sequence of ``ReferenceTrajectory`` or a mapping of them (``load_references``); samples
+    come in that order, turns in order within a reference.
+    """
+    stats = WalkthroughStats()
+    samples: list[Sample] = []
+    end_of_turn = int(tokenizer.eos_token_id)
+    for reference in _reference_list(references):
+        stats.references += 1
+        for turn in walkthrough_turns(reference, benchmark=benchmark):
+            stats.turns += 1
+            try:
+                prompt = render_prompt(tokenizer, SFT_MODE, turn.inputs, max_prompt_tokens)
+            except PromptOverBudget:
+                stats.skipped += 1
+                continue
+            response = list(tokenizer.encode(response_text(turn.action))) + [end_of_turn]
+            prompt_ids = list(prompt.token_ids)
+            length = len(prompt_ids) + len(response)
+            loss_mask = np.zeros(length, bool)
+            loss_mask[len(prompt_ids):] = True
+            samples.append(Sample(tokens=np.asarray(prompt_ids + response, np.int32), loss_mask=loss_mask,
+                                  behavior_logp=np.zeros(length, np.float32), policy_version=0))
+            stats.samples += 1
+            stats.history_truncated += prompt.history_pairs_kept < len(turn.inputs.history)
+            stats.prompt_tokens += len(prompt_ids)
+            stats.response_tokens += len(response)
+            stats.max_prompt_tokens = max(stats.max_prompt_tokens, len(prompt_ids))
+            stats.max_response_tokens = max(stats.max_response_tokens, len(response))
+    return samples, stats
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Epochs and batches
+# ----------------------------------------------------------------------------------------------------------
+class SFTDataset:
+    """Samples shuffled once per epoch with a seed and cut into lists of ``batch_size`` samples.
+
+    The order of epoch ``e`` is a permutation drawn from ``(seed, e)`` only, so ``batches(e, start=i)``
+    resumes a run at batch ``i`` of epoch ``e`` with the same batches it would have seen. Each epoch covers
+    every sample exactly once; its last batch holds the remainder (fewer than ``batch_size`` samples; pad it
+    with ``collate_samples(batch_size=...)``: empty rows do not change the loss) unless ``drop_last``, which
+    drops it (those samples then miss that epoch).
+    """
+
+    def __init__(self, samples: Sequence[Sample], batch_size: int, *, seed: int = 0, drop_last: bool = False):
+        samples = list(samples)
+        if not samples:
+            raise ValueError("SFTDataset needs at least one sample")
+        if not all(isinstance(s, Sample) for s in samples):
+            raise ValueError("SFTDataset holds train.buffer.Sample records only")
+        if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if drop_last and batch_size > len(samples):
+            raise ValueError(f"drop_last with batch_size {batch_size} > {len(samples)} samples leaves no batch")
+        self.samples = samples
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        full, rest = divmod(len(self.samples), self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The sample indices of epoch ``epoch`` in the order they are served."""
+        if isinstance(epoch, bool) or int(epoch) != epoch or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        rng = np.random.default_rng(np.random.SeedSequence([self.seed, int(epoch)]))
+        return rng.permutation(len(self.samples))
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, batch index) of the ``step``-th batch (0-based) of a run that started at epoch 0, batch 0."""
+        if isinstance(step, bool) or int(step) != step or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        return divmod(int(step), self.batches_per_epoch)
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[list[Sample]]:
+        """The batches of epoch ``epoch`` from batch index ``start`` on."""
+        order = self.order(epoch)
+        if isinstance(start, bool) or int(start) != start or not 0 <= start <= self.batches_per_epoch:
+            raise ValueError(f"start must lie in [0, {self.batches_per_epoch}], got {start!r}")
+        for index in range(int(start), self.batches_per_epoch):
+            chosen = order[index * self.batch_size:(index + 1) * self.batch_size]
+            yield [self.samples[i] for i in chosen]

@@ -1,0 +1,351 @@
+"""Supervised fine-tuning: the NLL loss against hand-computed values and its logit gradient (softmax - onehot) on a
+tiny vocabulary, the train step's ``sft`` kind against a numpy computation from a micro model's logits, and the
+walkthrough samples of a generated ALFWorld game against the prompts a rollout replaying that walkthrough renders."""
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from test_train_step import TINY, make_mesh, random_params
+
+from jaxopd import losses
+from jaxopd.methods.sft_data import (SFTDataset, WalkthroughTurn, response_text, walkthrough_samples,
+                                     walkthrough_turns)
+from jaxopd.rollout.actions import extract_action
+from jaxopd.rollout.prompts import prompt_messages, render_prompt
+from jaxopd.tokenizer import IM_END, Qwen3Tokenizer, render_qwen3_chat
+from jaxopd.train.buffer import Sample, collate_samples
+from jaxopd.train.step import (LOSS_KINDS, LossConfig, batch_loss, batch_shardings, init_train_state,
+                               loss_from_log_probs, make_train_step, place_batch, train_state_shardings)
+
+# ----------------------------------------------------------------------------------------------------------
+# The loss
+# ----------------------------------------------------------------------------------------------------------
+LOGP = np.array([[-0.5, -1.0, -2.0, -99.0],
+                 [-3.0, -0.25, -7.0, -0.75]], np.float32)
+MASK = np.array([[0, 1, 1, 0],
+                 [0, 1, 0, 1]], bool)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_sft_loss_hand_computed(jit):
+    fn = jax.jit(losses.sft_loss, static_argnames="aggregation") if jit else losses.sft_loss
+    # supervised -logp: row 0 {1.0, 2.0}, row 1 {0.25, 0.75}; the -99 and -7 are not supervised
+    expected = {"token-mean": (1.0 + 2.0 + 0.25 + 0.75) / 4,                                 # 1.0
+                "seq-mean-token-mean": ((1.0 + 2.0) / (2 + 1e-8) + (0.25 + 0.75) / (2 + 1e-8)) / 2,  # 1.0
+                "seq-mean-token-sum": ((1.0 + 2.0) + (0.25 + 0.75)) / 2}                     # 2.0
+    for aggregation, value in expected.items():
+        loss, metrics = fn(jnp.asarray(LOGP), jnp.asarray(MASK), aggregation=aggregation)
+        np.testing.assert_allclose(float(loss), value, rtol=1e-6)
+        np.testing.assert_allclose(float(metrics["nll"]), 1.0, rtol=1e-6)
+        np.testing.assert_allclose(float(metrics["perplexity"]), math.e, rtol=1e-6)
+        np.testing.assert_allclose(float(metrics["token_prob_mean"]),
+                                   np.mean(np.exp([-1.0, -2.0, -0.25, -0.75])), rtol=1e-6)
+        assert float(metrics["supervised_tokens"]) == 4.0
+        assert all(v.dtype == jnp.float32 and v.shape == () for v in metrics.values())
+    # unequal rows separate the modes: row 0 keeps one token
+    mask = MASK.copy()
+    mask[0, 2] = False
+    values = {a: float(losses.sft_loss(LOGP, mask, aggregation=a)[0]) for a in losses.AGGREGATION_MODES}
+    np.testing.assert_allclose(values["token-mean"], (1.0 + 0.25 + 0.75) / 3, rtol=1e-6)
+    np.testing.assert_allclose(values["seq-mean-token-mean"], (1.0 + 0.5) / 2, rtol=1e-6)
+    np.testing.assert_allclose(values["seq-mean-token-sum"], (1.0 + 1.0) / 2, rtol=1e-6)
+
+
+def test_sft_loss_padding_rows_empty_batch_and_bad_inputs():
+    padded_logp = np.concatenate([LOGP, np.full((2, 4), -5.0, np.float32)])
+    padded_mask = np.concatenate([MASK, np.zeros((2, 4), bool)])
+    for aggregation in losses.AGGREGATION_MODES:
+        assert float(losses.sft_loss(padded_logp, padded_mask, aggregation=aggregation)[0]) == pytest.approx(
+            float(losses.sft_loss(LOGP, MASK, aggregation=aggregation)[0]), rel=1e-6)
+    loss, metrics = losses.sft_loss(LOGP, np.zeros_like(MASK))
+    assert float(loss) == 0.0 and float(metrics["supervised_tokens"]) == 0.0
+    with pytest.raises(ValueError, match="sft_loss"):
+        losses.sft_loss(LOGP, MASK, aggregation="sum")
+    with pytest.raises(ValueError, match="sft_loss"):
+        losses.sft_loss(LOGP[0], MASK[0])
+    with pytest.raises(ValueError, match="sft_loss"):
+        losses.sft_loss(LOGP, MASK[:, :3])
+
+
+def test_sft_gradient_wrt_logits_is_softmax_minus_onehot_over_supervised_tokens():
+    """Exact enumeration over a 5-token vocabulary: d loss / d logits = (softmax - onehot(target)) / N_tok at
+    supervised positions, 0 elsewhere (token-mean)."""
+    vocab, rng = 5, np.random.default_rng(0)
+    logits = rng.normal(size=(2, 4, vocab)).astype(np.float32) * 2.0
+    targets = rng.integers(0, vocab, size=(2, 4))
+
+    def loss_of_logits(lg):
+        logp = jnp.take_along_axis(jax.nn.log_softmax(lg, axis=-1), targets[..., None], axis=-1)[..., 0]
+        return losses.sft_loss(logp, MASK)[0]
+
+    grad = np.asarray(jax.grad(loss_of_logits)(jnp.asarray(logits)), np.float64)
+    z = logits.astype(np.float64)
+    softmax = np.exp(z - z.max(-1, keepdims=True))
+    softmax /= softmax.sum(-1, keepdims=True)
+    onehot = np.eye(vocab)[targets]
+    expected = (softmax - onehot) * MASK[..., None] / MASK.sum()
+    np.testing.assert_allclose(grad, expected, atol=1e-7)
+    assert np.abs(grad[~MASK]).max() == 0.0
+    # and the value is the enumerated cross-entropy
+    nll = -np.log((softmax * onehot).sum(-1))
+    np.testing.assert_allclose(float(loss_of_logits(jnp.asarray(logits))), nll[MASK].mean(), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The train step's sft kind
+# ----------------------------------------------------------------------------------------------------------
+def test_sft_loss_config():
+    assert "sft" in LOSS_KINDS
+    config = LossConfig(kind="sft")
+    assert config.resolved_aggregation == "token-mean" and not config.needs_teacher_logp
+    assert config.temperature == 1.0
+    assert LossConfig(kind="sft", aggregation="seq-mean-token-sum").resolved_aggregation == "seq-mean-token-sum"
+
+
+@pytest.fixture(scope="module")
+def micro():
+    graphdef, params = random_params(TINY, 0)
+    rng = np.random.default_rng(1)
+    samples = []
+    for length, prompt in [(9, 5), (12, 4), (6, 3), (11, 8)]:
+        tokens = rng.integers(0, TINY.vocab_size, length)
+        mask = np.arange(length) >= prompt
+        samples.append(Sample(tokens, mask, np.zeros(length, np.float32), 0))
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+    reference = []            # per row: log-softmax of its own unpadded logits at the next tokens (float64)
+    for sample in samples:
+        logits = np.asarray(forward(params, jnp.asarray(sample.tokens)[None]))[0].astype(np.float64)
+        log_softmax = logits - logits.max(-1, keepdims=True)
+        log_softmax -= np.log(np.exp(log_softmax).sum(-1, keepdims=True))
+        reference.append(np.concatenate([[0.0], log_softmax[np.arange(len(sample) - 1), sample.tokens[1:]]]))
+    return dict(graphdef=graphdef, params=params, samples=samples, reference=reference,
+                batch=collate_samples(samples, batch_size=6, length_multiple=8))   # two empty padding rows
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_batch_loss_sft_matches_numpy_from_logits(micro, aggregation):
+    config = LossConfig(kind="sft", aggregation=aggregation)
+    loss, metrics = jax.jit(lambda p, b: batch_loss(p, micro["graphdef"], b, config))(micro["params"], micro["batch"])
+    nll = [-lp[s.loss_mask] for s, lp in zip(micro["samples"], micro["reference"])]
+    if aggregation == "token-mean":
+        expected = np.concatenate(nll).mean()
+    else:
+        expected = np.mean([row.sum() / (len(row) + 1e-8) for row in nll])
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+    assert float(metrics["supervised_tokens"]) == sum(s.num_supervised for s in micro["samples"])
+    np.testing.assert_allclose(float(metrics["nll"]), np.concatenate(nll).mean(), rtol=1e-5)
+    assert expected > 1.0     # a random model: about log(64) nats a token
+
+
+def test_loss_from_log_probs_sft_ignores_behaviour_and_teacher_fields(micro):
+    batch = micro["batch"]
+    logp = jnp.asarray(np.random.default_rng(2).normal(-2.0, 0.5, batch.tokens.shape).astype(np.float32))
+    noisy = batch.replace(behavior_logp=np.full_like(batch.behavior_logp, 3.0),
+                          teacher_logp=np.full_like(batch.teacher_logp, -9.0))
+    a = loss_from_log_probs(logp, batch, LossConfig(kind="sft"))[0]
+    b = loss_from_log_probs(logp, noisy, LossConfig(kind="sft"))[0]
+    assert float(a) == float(b) == pytest.approx(float(-jnp.sum(logp * batch.loss_mask) / batch.loss_mask.sum()))
+
+
+def test_sft_train_steps_lower_the_nll(micro):
+    mesh = make_mesh(1, 1)
+    optimizer = optax.adam(3e-2)
+    state_shardings = train_state_shardings(micro["params"], optimizer, mesh)
+    rows = batch_shardings(mesh)
+    step = make_train_step(micro["graphdef"], optimizer, LossConfig(kind="sft"), state_shardings, rows)
+    state = init_train_state(micro["params"], optimizer, state_shardings)
+    batch = place_batch(micro["batch"], rows)
+    nll = []
+    for _ in range(4):
+        state, metrics = step(state, batch)
+        nll.append(float(metrics["loss"]))
+    assert nll[-1] < nll[0] - 0.1, nll
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Walkthrough samples
+# ----------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tok():
+    return Qwen3Tokenizer()
+
+
+def test_response_text_parses_back_and_is_qwen3s_assistant_turn(tok):
+    action = "take soapbar 3 from garbagecan 1"
+    text = response_text(action)
+    assert text == "<think>\n\n</think>\n\n<action>take soapbar 3 from garbagecan 1</action>"
+    assert extract_action(text) == action
+    # Qwen3's chat template renders an assistant turn with empty reasoning as prompt + this text + <|im_end|>
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    prompt = render_qwen3_chat(messages, add_generation_prompt=True, enable_thinking=True)
+    full = render_qwen3_chat(messages + [{"role": "assistant", "content": text}], add_generation_prompt=False)
+    assert full == prompt + text + IM_END + "\n"
+    for bad in ["", "  ", " look", "look\n", "a</action>", "<think>"]:
+        with pytest.raises(ValueError):
+            response_text(bad)
+
+
+@pytest.fixture(scope="module")
+def alfworld(tmp_path_factory):
+    pytest.importorskip("alfworld")
+    from envs import alfworld_gen
+    from envs.alfworld import AlfWorldEnv
+    from envs.references import build_reference
+
+    root = alfworld_gen.ensure_games(tmp_path_factory.mktemp("sft_games"), seed=0,
+                                     counts={"train": 1, "valid_seen": 0, "valid_unseen": 0}, workers=1,
+                                     progress=False)
+    factory = functools.partial(AlfWorldEnv, root)
+    with factory() as env:
+        task = env.tasks("train")[0]
+        reference = build_reference(env, task)
+    return factory, task, reference
+
+
+class _NoEngine:
+    def submit(self, request):
+        raise AssertionError("the replay asks no model")
+
+
+def replay_prompts(alfworld, tok, max_prompt_tokens):
+    """Replays the walkthrough through ``RolloutStrategy``'s own episode loop on a live environment, recording
+    each turn's ``prompt_inputs`` and the ids ``render("full", ...)`` gives under the budget."""
+    from envs.pool import EnvPool
+    from jaxopd.rollout.strategies.base import Decision, RolloutConfig, RolloutStrategy
+
+    factory, task, reference = alfworld
+
+    seen = []
+
+    class Replay(RolloutStrategy):
+        name = "replay"
+
+        def decide(self, episode):
+            inputs = self.prompt_inputs(episode)
+            seen.append((inputs, self.render("full", inputs)))
+            return Decision(action=reference.actions[episode.turn - 1], source="reference")
+
+    config = RolloutConfig(max_turns=len(reference.actions) + 1, max_prompt_tokens=max_prompt_tokens)
+    with EnvPool(factory, num_slots=1, backend="thread") as pool:
+        trajectory = Replay(_NoEngine(), pool, tok, config).run_episode(0, task, reference)
+    assert trajectory.end_reason == "done" and trajectory.won
+    assert trajectory.actions == reference.actions
+    return seen
+
+
+def test_walkthrough_turns_are_the_rollouts_prompt_inputs(alfworld, tok):
+    _, task, reference = alfworld
+    turns = walkthrough_turns(reference)
+    assert len(turns) == len(reference.actions) >= 2
+    assert all(isinstance(t, WalkthroughTurn) and t.task_id == task.task_id for t in turns)
+    assert [t.turn for t in turns] == list(range(1, len(turns) + 1))
+    assert [t.action for t in turns] == list(reference.actions)
+    replayed = replay_prompts(alfworld, tok, 2048)
+    assert len(replayed) == len(turns)
+    for turn, (inputs, _) in zip(turns, replayed):
+        assert turn.inputs == inputs
+        assert turn.action in turn.inputs.admissible_actions
+
+
+@pytest.mark.parametrize("max_prompt_tokens", [2048, "tight"])
+def test_walkthrough_samples_against_a_replayed_rollout(alfworld, tok, max_prompt_tokens):
+    _, _, reference = alfworld
+    if max_prompt_tokens == "tight":   # one token under the longest prompt: its history is cut, oldest first
+        _, stats = walkthrough_samples([reference], tok, max_prompt_tokens=4096)
+        max_prompt_tokens = stats.max_prompt_tokens - 1
+    samples, stats = walkthrough_samples({reference.task_id: reference}, tok, max_prompt_tokens=max_prompt_tokens)
+    replayed = replay_prompts(alfworld, tok, max_prompt_tokens)
+    assert stats.references == 1 and stats.turns == len(reference.actions) == stats.samples == len(samples)
+    assert stats.skipped == 0 and (stats.history_truncated > 0) == (max_prompt_tokens < 2048)
+    end = tok.eos_token_id
+    for sample, action, (inputs, rollout_ids) in zip(samples, reference.actions, replayed):
+        prompt = int(np.argmax(sample.loss_mask))
+        assert not sample.loss_mask[:prompt].any() and sample.loss_mask[prompt:].all()
+        np.testing.assert_array_equal(sample.tokens[:prompt], rollout_ids)           # byte-identical prompt
+        assert prompt <= max_prompt_tokens
+        response = sample.tokens[sample.loss_mask]
+        assert response[-1] == end and tok.decode(response) == response_text(action) + IM_END
+        assert extract_action(tok.decode(response[:-1])) == action
+        np.testing.assert_array_equal(sample.behavior_logp, 0.0)
+        assert sample.policy_version == 0 and sample.teacher_logp is None
+        # the ids are the tokenisation of the whole conversation text (no merge across the boundary)
+        rendered = render_prompt(tok, "full", inputs, max_prompt_tokens)
+        assert sample.tokens.tolist() == tok.encode(rendered.text + response_text(action) + IM_END)
+        kept_messages = prompt_messages("full", inputs, rendered.history_pairs_kept)
+        assert tok.decode(sample.tokens) + "\n" == render_qwen3_chat(
+            kept_messages + [{"role": "assistant", "content": response_text(action)}], add_generation_prompt=False)
+    assert stats.prompt_tokens == sum(int((~s.loss_mask).sum()) for s in samples)
+    assert stats.response_tokens == sum(s.num_supervised for s in samples)
+    assert stats.max_prompt_tokens == max(int((~s.loss_mask).sum()) for s in samples)
+    assert stats.tokens == sum(len(s) for s in samples)
+
+
+def test_walkthrough_samples_skip_turns_over_budget(alfworld, tok):
+    _, _, reference = alfworld
+    samples, stats = walkthrough_samples([reference], tok, max_prompt_tokens=64)
+    assert samples == [] and stats.skipped == stats.turns == len(reference.actions) and stats.tokens == 0
+    with pytest.raises(ValueError, match="is a alfworld reference, not scienceworld"):
+        walkthrough_samples([reference], tok, max_prompt_tokens=2048, benchmark="scienceworld")
+    with pytest.raises(ValueError, match="only ALFWorld"):     # ScienceWorld references store no admissible actions
+        walkthrough_turns(dataclasses.replace(reference, benchmark="scienceworld"))
+    with pytest.raises(ValueError, match="without observation records"):
+        walkthrough_turns(dataclasses.replace(reference, records=()))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The dataset
+# ----------------------------------------------------------------------------------------------------------
+def _numbered_samples(n):
+    """Samples whose first token is their index."""
+    return [Sample(np.array([i, 1, 2]), np.array([False, True, True]), np.zeros(3, np.float32), 0)
+            for i in range(n)]
+
+
+def _ids(batch):
+    return [int(s.tokens[0]) for s in batch]
+
+
+def test_dataset_epochs_cover_every_sample_once_deterministically():
+    samples = _numbered_samples(23)
+    dataset = SFTDataset(samples, 4, seed=7)
+    assert len(dataset) == 23 and dataset.batches_per_epoch == 6
+    orders = []
+    for epoch in range(3):
+        batches = list(dataset.batches(epoch))
+        assert [len(b) for b in batches] == [4, 4, 4, 4, 4, 3]
+        served = [i for b in batches for i in _ids(b)]
+        assert sorted(served) == list(range(23))
+        assert served == dataset.order(epoch).tolist()
+        again = [_ids(b) for b in SFTDataset(samples, 4, seed=7).batches(epoch)]
+        assert again == [_ids(b) for b in batches]                                   # same seed, same batches
+        assert [_ids(b) for b in dataset.batches(epoch, start=4)] == again[4:]       # resume mid-epoch
+        orders.append(served)
+    assert orders[0] != orders[1] != orders[2]                                       # reshuffled per epoch
+    assert [_ids(b) for b in SFTDataset(samples, 4, seed=8).batches(0)] != [_ids(b) for b in dataset.batches(0)]
+    assert list(dataset.batches(0, start=6)) == []
+    assert dataset.position(0) == (0, 0) and dataset.position(5) == (0, 5) and dataset.position(13) == (2, 1)
+    dropped = SFTDataset(samples, 4, seed=7, drop_last=True)
+    assert dropped.batches_per_epoch == 5 and all(len(b) == 4 for b in dropped.batches(0))
+    assert [_ids(b) for b in dropped.batches(0)] == [_ids(b) for b in dataset.batches(0)][:5]
+    batch = collate_samples(next(iter(dataset.batches(0, start=5))), batch_size=4)   # the short last batch, padded
+    assert batch.tokens.shape[0] == 4 and not batch.loss_mask[3].any()
+
+
+def test_dataset_rejects_bad_arguments():
+    samples = _numbered_samples(3)
+    for bad in [dict(batch_size=0), dict(batch_size=True), dict(batch_size=4, drop_last=True)]:
+        with pytest.raises(ValueError):
+            SFTDataset(samples, **bad)
+    with pytest.raises(ValueError):
+        SFTDataset([], 2)
+    dataset = SFTDataset(samples, 2)
+    with pytest.raises(ValueError):
+        list(dataset.batches(-1))
+    with pytest.raises(ValueError):
+        list(dataset.batches(0, start=3))

@@ -1,0 +1,74 @@
+"""``python -m experiments.train`` refuses bad input with one line naming the problem and exit code 2, before any
+training starts: a missing checkpoint folder, a wrong preset, an unwritable --out, $ALFWORLD_DATA pointing at
+nothing, a teacher whose vocabulary differs from the student's."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from flax import nnx
+
+from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from jaxopd.models.weights import save_qwen3
+
+ROOT = Path(__file__).resolve().parents[1]
+MICRO = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+             dtype="float32", param_dtype="float32")
+
+
+def run_cli(*args, env=None):
+    environment = {k: v for k, v in os.environ.items() if k != "ALFWORLD_DATA"}
+    environment.update(env or {})
+    return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=environment,
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_one_line(result, *fragments):
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture
+def official_data(tmp_path):
+    (tmp_path / "alfworld" / "train").mkdir(parents=True)
+    return {"ALFWORLD_DATA": str(tmp_path / "alfworld")}
+
+
+def test_missing_checkpoint_folder(tmp_path):
+    result = run_cli("--method", "actfirst", "--student", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
+    assert_one_line(result, "--student", "no such folder")
+
+
+def test_wrong_preset(tmp_path):
+    assert_one_line(run_cli("--method", "actfirst", "--preset", "laptop", "--out", str(tmp_path)), "laptop")
+
+
+def test_unwritable_out(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert_one_line(run_cli("--method", "vanilla-opd", "--out", str(blocker / "run")), "--out", "not writable")
+
+
+def test_alfworld_data_pointing_at_nothing(tmp_path):
+    result = run_cli("--method", "vanilla-opd", "--out", str(tmp_path / "o"),
+                     env={"ALFWORLD_DATA": str(tmp_path / "missing")})
+    assert_one_line(result, "ALFWORLD_DATA", "not a folder")
+
+
+def test_teacher_vocabulary_differs(tmp_path, official_data):
+    save_qwen3(Qwen3(Qwen3Config(vocab_size=300, **MICRO), rngs=nnx.Rngs(0)), tmp_path / "student")
+    save_qwen3(Qwen3(Qwen3Config(vocab_size=400, **MICRO), rngs=nnx.Rngs(1)), tmp_path / "teacher")
+    result = run_cli("--method", "vanilla-opd", "--student", str(tmp_path / "student"), "--teacher",
+                     str(tmp_path / "teacher"), "--out", str(tmp_path / "o"), env=official_data)
+    assert_one_line(result, "vocabulary", "400", "300")
+
+
+def test_invalid_number(tmp_path):
+    assert_one_line(run_cli("--method", "sti", "--updates", "0", "--out", str(tmp_path)), "updates")
