@@ -81,6 +81,33 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_reverse_kl(folders: Sequence[Path], path: Path) -> bool:
+    """The exact reverse KL to the teacher on held-out states at each evaluation, one line per run."""
+    lines = []
+    for folder in folders:
+        points = [(r["step"], r["exact_reverse_kl"]) for r in read_jsonl(folder / "eval.jsonl")
+                  if r.get("exact_reverse_kl") is not None]
+        if points:
+            lines.append((folder.name, points))
+    if not lines:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, axis = plt.subplots(figsize=(6.4, 4.0))
+    for name, points in lines:
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    axis.set_xlabel("update")
+    axis.set_ylabel("exact KL(student || teacher), nats per token")
+    axis.set_title("Reverse KL to the teacher on held-out states")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.train_report", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders of python -m experiments.train")
@@ -109,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     history = [point for row in rows for point in row["history"]]
     if history:
         plot_learning_curves(history, out)
+    plot_reverse_kl(folders, out / "reverse_kl_vs_update.png")
     (out / "runs.json").write_text(json.dumps(rows, indent=2) + "\n")
     (out / "table.md").write_text(markdown(rows))
     print(markdown(rows))
