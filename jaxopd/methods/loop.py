@@ -55,6 +55,7 @@ __all__ = ["Trainer", "engine_config_for", "batch_length", "CONFIG_FILE"]
 
 CONFIG_FILE = "config.json"
 # fields a resumed run may change (how long it runs and how it reports), every other field must match
+_MAX_EMPTY_COLLECTIONS = 3      # ActionOPD: collections in a row without one trainable sample before giving up
 _RESUMABLE_CHANGES = {"updates", "eval_every", "eval_tasks", "eval_seeds", "checkpoint_every", "keep_checkpoints"}
 
 
@@ -303,7 +304,14 @@ class Trainer:
                 t0 = time.perf_counter()
                 # 1. samples: stream (vanilla / ActFirst / STI) or one collection (ActionOPD)
                 if method.trains_in_collections:
+                    empty = 0
                     while buffer.available(version) == 0:
+                        if empty == _MAX_EMPTY_COLLECTIONS:
+                            raise RuntimeError(
+                                f"{config.method}: {empty} consecutive collections of {config.collection_tasks} task "
+                                "starts gave no training samples (no state had a valid teacher action and a reward "
+                                "range among its candidates); the teacher or the student cannot act in this format")
+                        empty += 1
                         start = int(meta["cursor"])
                         picks = [self._task_at(i) for i in range(start, start + config.collection_tasks)]
                         trajectories = self._collect(strategy, picks)
