@@ -243,6 +243,7 @@ class Trainer:
             state, buffer = init_train_state(params, optimizer, state_shardings), SampleBuffer(config.max_version_lag)
         version = int(jax.device_get(state.step))
         self.state = state          # the current train state, for evaluation hooks
+        self._too_long = 0          # samples longer than max_train_tokens, dropped (logged per update)
 
         scorer = teacher_params = None
         if loss_config.needs_teacher_logp:
@@ -368,6 +369,7 @@ class Trainer:
                 record = {**metrics, **timings, **self._batch_stats(samples, host_batch, version),
                           **self._rollout_stats(pending), "wall_s": time.perf_counter() - wall_start,
                           "buffer": len(buffer), "dropped_stale": buffer.stats.dropped_stale,
+                          "dropped_too_long": self._too_long,
                           "episodes": meta["episodes"], "failed_episodes": meta["failed_episodes"]}
                 pending = []
                 if not all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm")):
@@ -405,7 +407,7 @@ class Trainer:
     def _fit(self, samples: list[Sample]) -> list[Sample]:
         """Samples longer than ``max_train_tokens`` cannot be trained on; they are dropped and counted."""
         kept = [s for s in samples if len(s) <= self.config.max_train_tokens]
-        self._too_long = getattr(self, "_too_long", 0) + len(samples) - len(kept)
+        self._too_long += len(samples) - len(kept)
         return kept
 
     def _collect(self, strategy: Any, picks: Sequence[tuple[Task, Any, int]]) -> list[Trajectory]:
