@@ -10,7 +10,6 @@ checks each backend against the gather (max abs difference). Prints a markdown t
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -21,13 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxopd import cli
 from kernels.paged_attention_reference import HeadsFirstReferenceBackend
 from kernels.pallas_gpu import PallasGpuBackend
 from kernels.pallas_tpu import PallasTpuBackend
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.Parser(prog="python -m bench.decode_attention", description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--context", type=int, default=1024, help="cached tokens per row (all rows full)")
     p.add_argument("--heads", type=int, default=16)
@@ -47,6 +47,19 @@ def sweep_backends():
     return {f"pallas-gpu ppb={ppb} stages={stages} warps={warps}":
             PallasGpuBackend(pages_per_block=ppb, num_stages=stages, num_warps=warps)
             for ppb in (2, 4, 8) for stages in (1, 2, 3) for warps in (4, 8)}
+
+
+BACKEND_NAMES = ("reference-hnd", "pallas-gpu", "pallas-gpu-nosplit", "pallas-tpu")
+
+
+def check_args(args) -> None:
+    """The input checks, before anything is timed (``jaxopd.cli.UsageError``)."""
+    for name in args.backends or ():
+        if name not in BACKEND_NAMES:
+            raise cli.UsageError(f"--backends {name!r} is not a backend of this bench; choose from "
+                                 f"{list(BACKEND_NAMES)}")
+    if args.out:
+        cli.check_out_file("--out", args.out)
 
 
 def backends_for(platform_name: str, names):
@@ -74,6 +87,7 @@ def time_call(fn, *args, repeats: int) -> float:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    check_args(args)
     platform_name = jax.default_backend()
     backends = backends_for(platform_name, args.backends)
     if args.sweep:
@@ -119,4 +133,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_main(main))

@@ -19,7 +19,6 @@ thread blocks on them, so the engine thread is never held up by the measurement)
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -32,11 +31,13 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxopd import cli
+
 BATCHES = (1, 8, 32, 64, 128, 256)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.Parser(prog="python -m bench.engine_overhead", description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--new-tokens", type=int, default=96, help="tokens generated per request")
     p.add_argument("--prompt-len", type=int, default=8)
@@ -167,8 +168,19 @@ def summarise(records: list[list[float]], batch: int, cpu_seconds: float, total_
             "host_ms": 1e3 * cpu_seconds / max(total_steps, 1)}
 
 
+def check_args(args) -> None:
+    """The input checks, before any model is built (``jaxopd.cli.UsageError``)."""
+    if args.model != "negligible":
+        try:
+            cli.check_model_preset("--model", args.model)
+        except cli.UsageError as error:
+            raise cli.UsageError(f"{error}, or 'negligible'") from None
+    cli.check_out_file("--out", args.out)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_args(args)
     import jax
 
     from jaxopd.sampler import Engine, EngineConfig
@@ -219,4 +231,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run_main(main))

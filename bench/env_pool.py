@@ -19,7 +19,6 @@ not the ALFWorld benchmark splits, unless ``--games-root`` points at another tre
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import os
@@ -32,13 +31,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 from bench.common import write_result  # noqa: E402
+from jaxopd import cli  # noqa: E402
 
 from envs.alfworld import AlfWorldEnv  # noqa: E402
 from envs.pool import EnvPool  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.Parser(prog="python -m bench.env_pool", description=__doc__.splitlines()[0])
     p.add_argument("--max-workers", type=int, default=os.cpu_count() or 1,
                    help="largest number of threads / worker processes (default: the CPU count)")
     p.add_argument("--workers", type=int, nargs="+", default=None,
@@ -64,6 +64,15 @@ def parse_args(argv=None):
     elif min(args.workers) < 1:
         p.error("--workers must be >= 1")
     return args
+
+
+def check_args(args) -> None:
+    """The input checks, before any game is generated or environment built (``jaxopd.cli.UsageError``)."""
+    if args.games_root:
+        cli.check_input_folder("--games-root", args.games_root)
+    elif args.cache_dir:
+        cli.check_out_dir("--cache-dir", args.cache_dir)
+    cli.check_out_file("--out", args.out)
 
 
 def games_root(args) -> Path:
@@ -212,6 +221,7 @@ def markdown(result: dict) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    check_args(args)
     load_start = os.getloadavg()
     root = games_root(args)
     factory = functools.partial(AlfWorldEnv, root)
@@ -254,4 +264,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_main(main))

@@ -22,7 +22,6 @@ running its engine. The figures measure the rollout machinery (engine, strategie
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
@@ -37,6 +36,7 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 from bench.common import write_result  # noqa: E402
+from jaxopd import cli  # noqa: E402
 
 PAPER = {"vanilla_steps_per_s": 3.65, "actfirst_steps_per_s": 5.68, "ratio": 1.56,
          "setup": "Qwen3-1.7B on ALFWorld, 8 A100s, 16 tasks per rollout batch, four rollout engines with four "
@@ -45,7 +45,7 @@ STRATEGY_NAMES = ("vanilla", "actfirst")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.Parser(prog="python -m bench.env_throughput", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="Qwen3 architecture preset of the random model (default tiny)")
     p.add_argument("--weights", default=None, help="a Hugging Face Qwen3 folder (default: random weights)")
     p.add_argument("--episodes", type=int, default=8, help="concurrent episodes (distinct games) per rollout")
@@ -73,6 +73,20 @@ def parse_args(argv=None):
     if args.num_games < args.episodes:
         p.error("--num-games must be >= --episodes")
     return args
+
+
+def check_args(args) -> None:
+    """The input checks, before any game is generated or model built (``jaxopd.cli.UsageError``); also
+    ``bench.rollout_quality``'s, which adds its teacher's."""
+    if args.weights:
+        cli.check_checkpoint_folder("--weights", args.weights)
+    else:
+        cli.check_model_preset("--model", args.model)
+    if args.games_root:
+        cli.check_input_folder("--games-root", args.games_root)
+    if args.references_dir:
+        cli.check_out_dir("--references-dir", args.references_dir)
+    cli.check_out_file("--out", args.out)
 
 
 # ------------------------------------------------------------------------------------------- set-up (shared)
@@ -251,6 +265,7 @@ def markdown(result: dict) -> str:
 
 def main(argv: Sequence[str] | None = None):
     args = parse_args(argv)
+    check_args(args)
     from envs.pool import EnvPool
     from jaxopd.sampler import Engine
 
@@ -326,4 +341,4 @@ def main(argv: Sequence[str] | None = None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_main(main))

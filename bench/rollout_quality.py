@@ -23,7 +23,6 @@ environment, not how good any agent is.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import os
@@ -35,10 +34,12 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 from bench.common import write_result  # noqa: E402
+from jaxopd import cli  # noqa: E402
 
 from bench.env_throughput import (  # noqa: E402
     alfworld_tasks,
     build_model,
+    check_args as check_common_args,
     engine_config,
     machine_info,
     thinking_budget,
@@ -49,7 +50,7 @@ STRATEGY_NAMES = ("vanilla", "actfirst", "sti", "actionopd")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.Parser(prog="python -m bench.rollout_quality", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="Qwen3 architecture preset of the random models (default tiny)")
     p.add_argument("--weights", default=None, help="the student's Hugging Face Qwen3 folder (default: random)")
     p.add_argument("--teacher-weights", default=None, help="the teacher's folder (default: random, another seed)")
@@ -72,6 +73,25 @@ def parse_args(argv=None):
     if args.full_tokens < 4:
         p.error("--full-tokens must be >= 4")
     return args
+
+
+def check_args(args) -> None:
+    """The input checks, before any game is generated or model built (``jaxopd.cli.UsageError``): those of
+    ``bench.env_throughput`` and the teacher's folder, whose vocabulary must be the student's (STI scores the
+    student's tokens with the teacher; ActionOPD compares their samples)."""
+    from jaxopd.tokenizer import QWEN3_VOCAB_SIZE
+
+    check_common_args(args)
+
+    def vocabulary(flag: str, weights: str | None) -> tuple[int, str]:
+        if weights:
+            return cli.checkpoint_vocab_size(flag, weights), f"{flag} {weights!r}"
+        cli.check_model_preset("--model", args.model)
+        return QWEN3_VOCAB_SIZE, f"random {args.model}"    # build_model gives it the tokenizer's vocabulary
+
+    student_vocab, student = vocabulary("--weights", args.weights)
+    teacher_vocab, teacher = vocabulary("--teacher-weights", args.teacher_weights)
+    cli.check_same_vocabulary(student_vocab, teacher_vocab, student=student, teacher=teacher)
 
 
 def make_strategy(name, student, teacher, teacher_model, pool, tokenizer, args):
@@ -153,6 +173,7 @@ def markdown(result: dict) -> str:
 
 def main(argv: Sequence[str] | None = None):
     args = parse_args(argv)
+    check_args(args)
     from envs.pool import EnvPool
     from jaxopd.sampler import Engine
 
@@ -213,4 +234,4 @@ def main(argv: Sequence[str] | None = None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_main(main))

@@ -14,7 +14,6 @@ the decode steps (timestamps around dispatch and readiness, ``bench.engine_overh
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -29,9 +28,11 @@ import numpy as np
 if __package__ in (None, ""):   # run as a script (python bench/NAME.py): make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jaxopd import cli  # noqa: E402
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.Parser(prog="python -m bench.sampler_throughput", description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -117,8 +118,21 @@ def decode_step_stats(records, batch_rows: int) -> dict:
             "decode_idle_share": float(1.0 - device[1:].sum() / (ready[-1] - ready[0]))}
 
 
+def check_args(args) -> None:
+    """The input checks, before any model is built (``jaxopd.cli.UsageError``)."""
+    cli.check_model_preset("--model", args.model)
+    if args.backend:
+        import kernels
+        choices = [kernels.AUTO, *kernels.available_backends()]
+        for name in args.backend:
+            if name not in choices:
+                raise cli.UsageError(f"--backend {name!r} is not an attention backend; choose one of {choices}")
+    cli.check_out_file("--out", args.out)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    check_args(args)
     import jax
     from flax import nnx
 
@@ -222,4 +236,4 @@ def write_results(args, rows, cfg, model, weight_bytes, torch, warmup_s, compile
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run_main(main))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import subprocess
 import threading
@@ -31,6 +32,7 @@ __all__ = [
     "scienceworld_task",
     "scienceworld_tasks",
     "ScienceWorldEnv",
+    "canonical_ambiguity",
 ]
 
 BENCHMARK = "scienceworld"
@@ -227,6 +229,42 @@ def _stop_jvm(engine: Any, graceful: bool = True) -> None:
 
 _T = TypeVar("_T")
 
+_AMBIGUOUS_HEADER = "Ambiguous request:"
+_AMBIGUOUS_OPTION = re.compile(r"^(\d+):\t(.*)$")
+
+
+def canonical_ambiguity(text: str) -> tuple[str, tuple[int, ...] | None]:
+    """An "Ambiguous request" answer with its readings sorted and renumbered, and the engine's number of each.
+
+    The engine lists the readings of an ambiguous action ("open door": which door?) in an order that changes
+    from one reset to the next, and takes the number of one as the next action. Presented in text order, the
+    listing and the meaning of each number are the same in every run, so a replay (after a JVM crash, or by
+    ``EnvPool``) reproduces it. Returns ``(text, None)`` for any other text."""
+    if not text.startswith(_AMBIGUOUS_HEADER):
+        return text, None
+    lines = text.split("\n")
+    options, others = [], []
+    for line in lines[1:]:
+        match = _AMBIGUOUS_OPTION.match(line)
+        if match:
+            options.append((match.group(2), int(match.group(1))))
+        elif line:
+            others.append(line)
+    if not options:
+        return text, None
+    options.sort()
+    body = [lines[0]] + [f"{number}:\t{option}" for number, (option, _) in enumerate(options)] + others
+    return "\n".join(body) + ("\n" if text.endswith("\n") else ""), tuple(engine for _, engine in options)
+
+
+def _engine_command(command: str, ambiguity: tuple[int, ...] | None) -> str:
+    """``command`` as the engine must receive it: the number of a reading of the last (canonical) ambiguity
+    listing becomes the engine's own number of that reading."""
+    number = command.strip()
+    if ambiguity is not None and number.isascii() and number.isdigit() and int(number) < len(ambiguity):
+        return str(ambiguity[int(number)])
+    return command
+
 
 def _clip_score(raw_score: int) -> float:
     return float(min(max(raw_score, 0), 100))
@@ -247,6 +285,10 @@ class ScienceWorldEnv(TextEnv):
     ``variation`` and ``restarts``.
 
     The engine itself imposes no step limit here; turn limits belong to the rollout.
+
+    Ambiguous actions: the engine answers "Ambiguous request" with numbered readings in an order that changes
+    from one reset to the next; the observation lists them sorted by text (``canonical_ambiguity``) and a
+    numeric answer is translated to the engine's number, so a replay reaches the same state.
 
     Crash recovery: when a call to the JVM fails (``py4j`` error: the process died or the connection
     broke), the JVM is restarted, the task reloaded and the episode's actions replayed (each replayed
@@ -279,7 +321,8 @@ class ScienceWorldEnv(TextEnv):
     def _clear_episode(self) -> None:
         self._task: Task | None = None
         self._actions: list[str] = []
-        self._texts: list[str] = []             # o_1 .. o_{t+1} as returned by the engine
+        self._texts: list[str] = []             # o_1 .. o_{t+1} as returned by the engine (ambiguity listings sorted)
+        self._ambiguity: tuple[int, ...] | None = None    # engine numbers of the last listing's readings
         self._instruction = ""
         self._raw_score = 0
         self._max_score = 0.0
@@ -378,8 +421,11 @@ class ScienceWorldEnv(TextEnv):
         self._load(*self._task_key(self._task), gold=False)
         self._server.reset()
         replayed = [self._server.step("look around")]
+        ambiguity = None            # this JVM numbers the readings of an ambiguous action its own way
         for action in self._actions:
-            replayed.append(self._server.step(action))
+            text, ambiguity = canonical_ambiguity(self._server.step(_engine_command(action, ambiguity)))
+            replayed.append(text)
+        self._ambiguity = ambiguity
         # Some variations list objects in another order after a reset, so observations are compared in
         # the App. B.5 ScienceWorld normal form (lines and enumerations sorted), not byte for byte.
         for turn, (recorded, now) in enumerate(zip(self._texts, replayed)):
@@ -438,15 +484,17 @@ class ScienceWorldEnv(TextEnv):
         command = action if canonical is None else canonical
         raw_before = self._raw_score
 
-        def execute() -> tuple[str, Observation]:
-            text = self._server.step(command)
-            return text, self._observe(text, task=self._task, instruction=self._instruction,
-                                       raw_before=raw_before, action_valid=action_valid,
-                                       turn=len(self._actions) + 1)
+        def execute() -> tuple[str, tuple[int, ...] | None, Observation]:   # after a restart the replay has
+            # renumbered the listing: translate at call time
+            text, ambiguity = canonical_ambiguity(self._server.step(_engine_command(command, self._ambiguity)))
+            return text, ambiguity, self._observe(text, task=self._task, instruction=self._instruction,
+                                                  raw_before=raw_before, action_valid=action_valid,
+                                                  turn=len(self._actions) + 1)
 
-        text, observation = self._run(execute, replay=True)
+        text, ambiguity, observation = self._run(execute, replay=True)
         self._actions.append(command)
         self._texts.append(text)
+        self._ambiguity = ambiguity
         self._commit(observation)
         return observation
 

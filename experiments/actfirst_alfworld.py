@@ -19,7 +19,6 @@ import os
 import platform
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -31,6 +30,7 @@ from experiments.alfworld_contexts import (ALFWORLD_PROMPT_LIMIT, ContextSet, co
                                            load_context_set, save_context_set, tokenize_contexts)
 from experiments.speedup_protocol import (DRIVER, STRATEGIES, CalibratedLatencies, PointResult, TaskContext,
                                           Workload, calibrate_latencies, full_kind, make_batches, run_paired_point)
+from jaxopd import cli
 
 SNAPSHOT_PATH = Path(__file__).resolve().parent / "data" / "alfworld_train_contexts_seed42.json"
 CONTEXT_SEED = 42                      # App. C.5: contexts sampled with seed 42
@@ -517,9 +517,9 @@ def _calibration_dict(calibration: CalibratedLatencies) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.actfirst_alfworld",
-                                description="Reproduce the ActFirst-OPD rollout-speedup curves (Fig. 3a,b) with "
-                                            "jaxopd's sampler on ALFWorld initial contexts.")
+    p = cli.Parser(prog="python -m experiments.actfirst_alfworld",
+                   description="Reproduce the ActFirst-OPD rollout-speedup curves (Fig. 3a,b) with "
+                               "jaxopd's sampler on ALFWorld initial contexts.")
     p.add_argument("--preset", default="auto", choices=["auto", *PRESETS],
                    help="auto: gpu-quick on GPU/TPU, cpu on CPU (default)")
     p.add_argument("--model", default=None, help="Qwen3 architecture preset (default: the preset's)")
@@ -571,31 +571,18 @@ def options_from_args(args: argparse.Namespace, *, backend: str | None = None) -
                       command="python -m experiments.actfirst_alfworld " + shlex.join(sys.argv[1:]))
 
 
-def prepare_out_dir(out: Path) -> Path:
-    """Create ``out`` and prove it writable now, before hours of work, not when the report is written."""
-    out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check-"):
-            pass
-    except OSError as exc:
-        raise ValueError(f"--out {str(out)!r} is not a writable folder: {exc.strerror or exc}") from exc
-    return out
+def prepare_out_dir(out: Path, flag: str = "--out") -> Path:
+    """Create ``out`` and prove it writable now, before hours of work, not when the report is written
+    (``jaxopd.cli.UsageError`` naming ``flag`` otherwise)."""
+    return cli.check_out_dir(flag, out)
 
 
 def check_model_choice(model: str, weights: str | None) -> None:
     """``--model`` names a preset (when no weights are given) and ``--weights`` is a Hugging Face folder."""
     if weights:
-        folder = Path(weights).expanduser()
-        if not folder.is_dir():
-            raise ValueError(f"--weights {weights!r} is not a folder")
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"--weights {weights!r} holds no config.json (a Hugging Face Qwen3 folder is needed)")
+        cli.check_checkpoint_folder("--weights", weights)
         return
-    from jaxopd.models.qwen3 import PRESETS as MODEL_PRESETS
-
-    if model.lower().replace("_", "-") not in MODEL_PRESETS:
-        raise ValueError(f"--model {model!r} is not a Qwen3 preset; choose one of {sorted(MODEL_PRESETS)}")
+    cli.check_model_preset("--model", model)
 
 
 def preflight(options: RunOptions) -> ContextSet | None:
@@ -604,6 +591,8 @@ def preflight(options: RunOptions) -> ContextSet | None:
     check_model_choice(options.model, options.weights)
     context_set = None
     resolved = options.contexts_source
+    if options.contexts_file is None and resolved in ("auto", "alfworld"):
+        cli.check_alfworld_data()                  # $ALFWORLD_DATA is read for the contexts: it must name a folder
     if options.contexts_file is not None or resolved == "snapshot" or (
             resolved == "auto" and not os.environ.get("ALFWORLD_DATA") and SNAPSHOT_PATH.is_file()):
         context_set = load_contexts(options.preset.num_contexts, source=options.contexts_source,
@@ -614,26 +603,23 @@ def preflight(options: RunOptions) -> ContextSet | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return cli.run_main(lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.write_contexts_snapshot:
         n = PRESETS["paper"].num_contexts if args.contexts is None else args.contexts
         if n < 1:
-            print(f"error: --contexts must be a positive number of contexts to sample, got {n}", file=sys.stderr)
-            return 2
-        try:
-            prepare_out_dir(Path(args.write_contexts_snapshot).expanduser().resolve().parent)
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            raise cli.UsageError(f"--contexts must be a positive number of contexts to sample, got {n}")
+        cli.check_out_file("--write-contexts-snapshot", args.write_contexts_snapshot)
+        cli.check_alfworld_data()
         context_set = collect_initial_contexts(n, seed=CONTEXT_SEED)
         path = save_context_set(args.write_contexts_snapshot, context_set)
         print(f"{n} contexts ({context_set.source['distinct_tasks']} distinct tasks) written to {path}")
         return 0
-    try:
+    with cli.usage_errors(ValueError):
         options = options_from_args(args)
         context_set = preflight(options)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     p = options.preset
     print(f"ActFirst-OPD rollout speedup — preset {p.name}: {p.note}")
     print(f"model {options.model}{' (random weights)' if not options.weights else ' from ' + options.weights}; "

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from jaxopd import cli
 from jaxopd.methods.benchmarks import (BENCHMARKS, EVAL_SPLITS, GAME_SOURCES, TRAIN_SPLIT, BenchmarkError,
                                        BenchmarkSource, resolve_source, subset)
 from jaxopd.methods.evaluate import (PAPER_SEEDS, PAPER_TEMPERATURE, evaluate_policy, markdown_table,
@@ -68,9 +69,9 @@ class EvalOptions:
 
 # ------------------------------------------------------------------------------------------------ the CLI
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.evaluate",
-                                description="Evaluate a student agent alone (think-then-act) on ALFWorld or "
-                                            "ScienceWorld over seeds, or plot learning curves (--history).")
+    p = cli.Parser(prog="python -m experiments.evaluate",
+                   description="Evaluate a student agent alone (think-then-act) on ALFWorld or ScienceWorld over "
+                               "seeds, or plot learning curves (--history).")
     p.add_argument("--student", default=None, metavar="DIR", help="Hugging Face Qwen3 folder of the student")
     p.add_argument("--model-preset", default=None, metavar="NAME",
                    help="a Qwen3 architecture preset with RANDOM weights (smoke tests only; e.g. tiny)")
@@ -126,17 +127,11 @@ def check_options(options: EvalOptions) -> None:
         raise ValueError("give exactly one of --student DIR (a trained student) or --model-preset NAME (random "
                          "weights, smoke tests only)")
     if options.student is not None:
-        folder = Path(options.student).expanduser()
-        if not folder.is_dir():
-            raise ValueError(f"--student {options.student!r} is not a folder")
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"--student {options.student!r} holds no config.json (a Hugging Face Qwen3 folder "
-                             "is needed)")
+        cli.check_checkpoint_folder("--student", options.student)
     else:
-        from jaxopd.models.qwen3 import PRESETS as MODEL_PRESETS
-        if options.model_preset.lower().replace("_", "-") not in MODEL_PRESETS:
-            raise ValueError(f"--model-preset {options.model_preset!r} is not a Qwen3 preset; choose one of "
-                             f"{sorted(MODEL_PRESETS)}")
+        cli.check_model_preset("--model-preset", options.model_preset)
+    if options.benchmark == "alfworld" and options.games != "generated":
+        cli.check_alfworld_data()
     known = (*EVAL_SPLITS[options.benchmark], TRAIN_SPLIT[options.benchmark])
     for split in options.splits:
         if split not in known:
@@ -168,10 +163,8 @@ def check_options(options: EvalOptions) -> None:
 def preflight(options: EvalOptions, *, source: BenchmarkSource | None = None) -> BenchmarkSource:
     """Every check that can fail on the user's input, before the model is built; returns the task source (ALFWorld
     games generated on first use, which is not an input problem and can take long)."""
-    from experiments.actfirst_alfworld import prepare_out_dir
-
     check_options(options)
-    prepare_out_dir(options.out)
+    cli.check_out_dir("--out", options.out)
     if source is None:
         source = resolve_source(options.benchmark, options.games, progress=options.progress)
     return source
@@ -339,38 +332,33 @@ def run_evaluation(options: EvalOptions, source: BenchmarkSource, *,
 
 
 def run_history(paths: Sequence[str], out: Path) -> list[Path]:
-    from experiments.actfirst_alfworld import prepare_out_dir
-
     history = read_history(paths)
-    prepare_out_dir(out)
+    cli.check_out_dir("--out", out)
     return plot_learning_curves(history, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return cli.run_main(lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.history:
         out = Path(args.out) if args.out else Path("runs") / "evaluate" / (
             "curves-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-        try:
+        with cli.usage_errors(ValueError):       # an unreadable or malformed history file
             paths = run_history(args.history, out)
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
         print(f"Wrote {', '.join(p.name for p in paths)} to {out}")
         return 0
-    try:
+    with cli.usage_errors(ValueError):           # BenchmarkError is a ValueError
         options = options_from_args(args)
         source = preflight(options)
-    except ValueError as exc:                    # BenchmarkError is a ValueError
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     try:
         results = run_evaluation(options, source)
     except ValueError as exc:                    # a checkpoint that cannot load, a split without tasks
         from jaxopd.models.weights import CheckpointError
         if isinstance(exc, (CheckpointError, BenchmarkError)):
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            raise cli.UsageError(str(exc)) from None
         raise
     print()
     for summary in results["summaries"]:

@@ -6,6 +6,7 @@ re-rendered from a saved ``results.json``: ``python -m experiments.report OUT_DI
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
@@ -13,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from jaxopd import cli
 
 # Paper Section 5.4 / Fig. 3a: only the endpoints of the b_max scan (T = 30, 16 tasks per batch) are given
 # in the text. At b_max = 256 and T = 30 they are also the T = 30 point of the horizon scan (Fig. 3b).
@@ -378,13 +381,38 @@ def write_report(results: Mapping[str, Any], out_dir: str | os.PathLike) -> list
     return paths
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = cli.Parser(prog="python -m experiments.report",
+                   description="Re-render the rollout-speedup report from OUT_DIR/results.json.")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="an output folder of python -m experiments.actfirst_alfworld")
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print("usage: python -m experiments.report OUT_DIR  (re-renders the report from OUT_DIR/results.json)")
-        return 2
-    out_dir = Path(args[0])
-    results = json.loads((out_dir / RESULTS_FILE).read_text())
+    args = build_parser().parse_args(argv)
+    return cli.run_main(lambda: _main(args.out_dir))
+
+
+def load_results(out_dir: str) -> dict[str, Any]:
+    """``OUT_DIR/results.json``, checked: the folder exists, holds the file, the file parses, the folder is writable."""
+    folder = cli.check_input_folder("OUT_DIR", out_dir)
+    source = folder / RESULTS_FILE
+    if not source.is_file():
+        raise cli.UsageError(f"OUT_DIR {out_dir!r} holds no {RESULTS_FILE} (an output folder of python -m "
+                             "experiments.actfirst_alfworld is needed)")
+    try:
+        results = json.loads(source.read_text())
+    except (OSError, ValueError) as error:
+        raise cli.UsageError(f"OUT_DIR {out_dir!r}: {RESULTS_FILE} cannot be read: {error}") from None
+    if not isinstance(results, dict):
+        raise cli.UsageError(f"OUT_DIR {out_dir!r}: {RESULTS_FILE} is not a results dictionary")
+    cli.check_out_dir("OUT_DIR", folder)
+    return results
+
+
+def _main(out_dir: str) -> int:
+    results = load_results(out_dir)
+    out_dir = Path(out_dir)
     for path in write_report(results, out_dir):
         print(path)
     print("\n".join(key_numbers(results)))

@@ -25,25 +25,21 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from jaxopd import cli
+from jaxopd.cli import UsageError
 from jaxopd.methods.benchmarks import BenchmarkError, GeneratedCounts, resolve_source, subset
 from jaxopd.methods.config import METHODS, PRESETS, RunConfig, build_config
 
 FLAG_FIELDS = ("benchmark", "games", "student", "teacher", "student_model_preset", "teacher_model_preset", "updates",
-               "batch_size", "rollout_slots", "collection_tasks", "train_tasks", "checkpoint_every", "seed",
+               "batch_size", "rollout_slots", "rollout_mode", "collection_tasks", "train_tasks", "checkpoint_every",
+               "seed",
                "learning_rate", "loss", "max_turns", "max_prompt_tokens", "max_train_tokens", "first_stage_tokens",
                "total_tokens", "second_stage_tokens", "fast_action_tokens", "temperature", "eval_split",
                "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "max_supervised_tokens")
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage errors are one line naming the problem and exit code 2 (no usage dump)."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} (see python -m experiments.train --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m experiments.train", description=__doc__.split("\n\n")[0])
+    p = cli.Parser(prog="python -m experiments.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--preset", default="cpu", choices=PRESETS, help="machine sizing (default cpu)")
     p.add_argument("--out", required=True, help="run folder (resumed when it holds checkpoints)")
@@ -59,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-epochs", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--rollout-slots", type=int, default=None)
+    p.add_argument("--rollout-mode", default=None, choices=("async", "sync"),
+                   help="async: the papers' streaming runners (default); sync: waves in task order between "
+                        "updates, reproducible (a killed and resumed run gives the same losses)")
     p.add_argument("--collection-tasks", type=int, default=None)
     p.add_argument("--train-tasks", type=int, default=None, help="train on a seeded subset of this many tasks")
     p.add_argument("--checkpoint-every", type=int, default=None)
@@ -80,11 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-temperature", type=float, default=None)
     p.add_argument("--no-eval", action="store_true", help="skip evaluation")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--phase-log", default=None, metavar="FILE",
+                   help="append one line 'PHASE UPDATE UNIX_TIME' whenever the loop enters rollout, step, checkpoint "
+                        "or saved (for watchdogs; the kill-and-resume tests use it)")
     return p
-
-
-class UsageError(Exception):
-    """Bad input: reported as one line and exit code 2."""
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -100,19 +98,12 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def check_paths(config: RunConfig, args: argparse.Namespace) -> Path:
     for flag, folder in (("--student", config.student), ("--teacher", config.teacher)):
         if folder is not None:
-            path = Path(folder)
-            if not path.is_dir():
-                raise UsageError(f"{flag} {folder!r}: no such folder")
-            if not (path / "config.json").is_file():
-                raise UsageError(f"{flag} {folder!r} is not a Hugging Face checkpoint (no config.json)")
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise UsageError(f"--out {args.out!r} is not writable: {error.strerror or error}") from None
+            cli.check_checkpoint_folder(flag, folder)
+    if config.student is not None and config.teacher is not None and config.method != "sft":
+        cli.check_same_vocabulary(cli.checkpoint_vocab_size("--student", config.student),
+                                  cli.checkpoint_vocab_size("--teacher", config.teacher),
+                                  student=f"--student {config.student!r}", teacher=f"--teacher {config.teacher!r}")
+    out = cli.check_out_dir("--out", args.out)
     if args.export:
         try:
             Path(args.export).parent.mkdir(parents=True, exist_ok=True)
@@ -209,6 +200,19 @@ def held_out_divergence(config: RunConfig, source: Any, tokenizer: Any, student:
     return divergence
 
 
+def phase_logger(path: str | None):
+    """``on_phase`` for the Trainer: appends ``PHASE UPDATE UNIX_TIME`` lines to ``path`` (flushed at once)."""
+    if path is None:
+        return None
+    handle = open(path, "a", buffering=1, encoding="utf-8")
+
+    def on_phase(phase: str, update: int) -> None:
+        handle.write(f"{phase} {update} {time.time():.6f}\n")
+        handle.flush()
+
+    return on_phase
+
+
 def machine() -> dict[str, Any]:
     import jax
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
@@ -236,7 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             divergence = held_out_divergence(config, source, tokenizer, student, teacher, lambda: holder["trainer"])
             evaluator = make_evaluator(config, source, tokenizer, out, progress, divergence=divergence)
         trainer = Trainer(config, student=student, teacher=teacher, tokenizer=tokenizer, source=source, out_dir=out,
-                          progress=progress, evaluate=evaluator)
+                          progress=progress, evaluate=evaluator, on_phase=phase_logger(args.phase_log))
         holder["trainer"] = trainer
         summary = trainer.run()
         if args.export:
@@ -312,13 +316,13 @@ def plot_history(out: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def body() -> int:
         summary = run(args)
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("config", "machine")}, indent=2, default=str))
-    return 0
+        print(json.dumps({k: v for k, v in summary.items() if k not in ("config", "machine")}, indent=2, default=str))
+        return 0
+
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from jaxopd import cli
 from jaxopd.methods.evaluate import plot_learning_curves
 from jaxopd.methods.metrics_log import read_jsonl
 
@@ -108,18 +109,24 @@ def plot_reverse_kl(folders: Sequence[Path], path: Path) -> bool:
     return True
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.train_report", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = cli.Parser(prog="python -m experiments.train_report", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders of python -m experiments.train")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    folders = [Path(f) for f in args.runs]
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return cli.run_main(lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
+    folders = [cli.check_input_folder("run folder", f) for f in args.runs]
     missing = [str(f) for f in folders if not (f / "config.json").is_file()]
     if missing:
-        print(f"error: not a training run folder (no config.json): {', '.join(missing)}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        raise cli.UsageError(f"not a training run folder (no config.json): {', '.join(missing)}")
+    out = cli.check_out_dir("--out", args.out)
     rows = [describe_run(f) for f in folders]
     for folder in folders:
         target = out / folder.name

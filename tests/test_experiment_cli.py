@@ -26,7 +26,7 @@ def test_unwritable_out_is_found_before_the_run(tmp_path, capsys):
     blocker.write_text("not a folder")
     code, err = run(["--out", str(blocker / "results")], capsys)
     assert code == 2
-    assert err.startswith("error: --out") and "not a writable folder" in err
+    assert err.startswith("error: --out") and "not writable" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
@@ -40,7 +40,7 @@ def test_writable_out_is_created_by_preflight(tmp_path):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "nope"], "--model 'nope' is not a Qwen3 preset"),
-    (["--weights", "/nonexistent"], "--weights '/nonexistent' is not a folder"),
+    (["--weights", "/nonexistent"], "--weights '/nonexistent': no such folder"),
     (["--contexts-file", "/nonexistent/contexts.json"], "cannot read the context snapshot"),
     (["--contexts-source", "snapshot", "--contexts", "2000"], "2000 were asked for"),
 ])
@@ -53,7 +53,7 @@ def test_bad_values_give_one_line_and_exit_code_2(argv, needle, tmp_path, capsys
 
 def test_weights_folder_without_config(tmp_path, capsys):
     code, err = run(["--weights", str(tmp_path), "--out", str(tmp_path / "out")], capsys)
-    assert code == 2 and "holds no config.json" in err
+    assert code == 2 and "no config.json" in err
 
 
 def test_malformed_contexts_file(tmp_path, capsys):

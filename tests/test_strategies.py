@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from envs.base import Observation, Task, TextEnv
+from envs.base import EnvError, Observation, Task, TextEnv
 from envs.pool import EnvPool
 from envs.references import build_reference
 from jaxopd.rollout.scoring import CallableScorer, DenseTeacherScorer, as_teacher_scorer
@@ -39,7 +39,7 @@ from jaxopd.rollout.strategies import (
     collection_samples,
 )
 from jaxopd.rollout.thinking import ThinkingBudget, early_stop_text
-from jaxopd.rollout.trajectory import Response, response_to_sample, rollout_quality
+from jaxopd.rollout.trajectory import EpisodeOutcome, EpisodesFailed, Response, response_to_sample, rollout_quality
 from jaxopd.sampler.types import Request, Result, Timings
 from jaxopd.tokenizer import Qwen3Tokenizer
 
@@ -305,6 +305,62 @@ def test_collect_plays_tasks_concurrently_over_the_slots(tok, pool):
     trajectories = VanillaStrategy(engine, pool, tok, RolloutConfig(max_turns=2)).collect(tasks)
     assert [t.task.task_id for t in trajectories] == [t.task_id for t in tasks]
     assert all(t.num_turns == 2 and t.actions == ("look", "look") for t in trajectories)
+
+
+class BrokenGameCorridorEnv(CorridorEnv):
+    """A corridor whose task ``corridor/train/1`` is a broken game: every step of it raises."""
+
+    def reset(self, task):
+        self.task_id = task.task_id
+        return super().reset(task)
+
+    def step(self, action):
+        if self.task_id == "corridor/train/1":
+            raise RuntimeError("broken game")
+        return super().step(action)
+
+
+def test_play_reports_a_failed_episode_with_its_reason_and_keeps_the_others(tok):
+    tasks = [corridor_task(i) for i in range(3)]
+    engine = ScriptedEngine(tok, lambda s: full_text("go forward"))
+    with EnvPool(BrokenGameCorridorEnv, num_slots=2, backend="thread", call_timeout_s=None) as pool:
+        strategy = VanillaStrategy(engine, pool, tok, RolloutConfig(max_turns=3))
+        outcomes = strategy.play(tasks, seeds=[11, 12, 13])
+        assert [(o.index, o.task.task_id) for o in outcomes] == [(i, t.task_id) for i, t in enumerate(tasks)]
+        assert [o.ok for o in outcomes] == [True, False, True]
+        failed = outcomes[1]
+        assert failed.trajectory is None and failed.error.startswith("EnvError: slot ")
+        assert "failed after 2 attempt(s): RuntimeError: broken game" in failed.error
+        for outcome, seed in zip((outcomes[0], outcomes[2]), (11, 13)):
+            trajectory = outcome.trajectory
+            assert outcome.error is None and trajectory.task.task_id == outcome.task.task_id
+            assert trajectory.actions == ("go forward",) * 3 and trajectory.end_reason == "max_turns"
+            assert trajectory.info["seed"] == seed
+        assert pool.recoveries == 2          # the broken game's two attempts; nothing else was rebuilt
+
+        with pytest.raises(EpisodesFailed) as raised:
+            strategy.collect(tasks)
+        error = raised.value
+        assert isinstance(error, RuntimeError) and isinstance(error.__cause__, EnvError)
+        assert "1 of 3 episodes failed" in str(error) and "[1] corridor/train/1: EnvError: slot " in str(error)
+        assert "corridor/train/0" not in str(error) and "corridor/train/2" not in str(error)
+        # raised after every episode finished: the completed ones are all there, in task order
+        assert [o.ok for o in error.outcomes] == [True, False, True] and len(error.failed) == 1
+        assert [t.task.task_id for t in error.trajectories] == ["corridor/train/0", "corridor/train/2"]
+        assert all(t.num_turns == 3 for t in error.trajectories)
+        assert strategy.collect([tasks[0], tasks[2]])[1].actions == ("go forward",) * 3
+        with pytest.raises(ValueError, match="one seed per task"):
+            strategy.play(tasks, seeds=[1])
+    assert strategy.play([]) == []
+
+
+def test_episode_outcome_holds_exactly_one_of_a_trajectory_and_an_error():
+    task = corridor_task(0)
+    with pytest.raises(ValueError, match="exactly one"):
+        EpisodeOutcome(index=0, task=task)
+    outcome = EpisodeOutcome.failed(4, task, KeyError("x"))
+    assert not outcome.ok and outcome.error == "KeyError: 'x'" and outcome.index == 4
+    assert EpisodeOutcome.failed(0, task, RuntimeError()).error == "RuntimeError"
 
 
 # ----------------------------------------------------------------------------------------------------------- ActFirst

@@ -17,6 +17,7 @@ from jaxopd.methods.benchmarks import BENCHMARKS, EVAL_SPLITS, GAME_SOURCES
 METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallback", "actfirst-prefix-replay-50",
            "actfirst-prefix-replay-100", "sti", "actionopd", "sft")
 PRESETS = ("cpu", "gpu", "paper")
+ROLLOUT_MODES = ("async", "sync")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,11 @@ class RunConfig:
     dropped. ActionOPD collects ``collection_tasks`` task starts with one policy snapshot, then trains one
     epoch of ``batch_size`` minibatches over them. Checkpoints every ``checkpoint_every`` updates; evaluation
     every ``eval_every`` updates (0: only before and after training) on ``eval_tasks`` tasks of ``eval_split``.
+
+    ``rollout_mode``: ``async`` (the papers' pipeline: runners stream episodes into the buffer while the trainer
+    steps, so which sample lands in which batch depends on thread timing) or ``sync`` (reproducible: between two
+    updates the runners play waves of ``rollout_slots`` episodes in task order with the current weights, and
+    their samples enter the buffer in task order; a run, killed and resumed or not, gives the same losses).
     """
 
     method: str = "actfirst"
@@ -47,6 +53,7 @@ class RunConfig:
     collection_tasks: int = 64
     train_tasks: int | None = None
     max_version_lag: int = 1
+    rollout_mode: str = "async"
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
     seed: int = 42
@@ -96,6 +103,8 @@ class RunConfig:
             raise ValueError(f"unknown benchmark {self.benchmark!r}; expected one of {BENCHMARKS}")
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; expected one of {PRESETS}")
+        if self.rollout_mode not in ROLLOUT_MODES:
+            raise ValueError(f"unknown rollout mode {self.rollout_mode!r}; expected one of {ROLLOUT_MODES}")
         if self.games not in GAME_SOURCES:
             raise ValueError(f"unknown game source {self.games!r}; expected one of {GAME_SOURCES}")
         positive = ("updates", "batch_size", "rollout_slots", "collection_tasks", "checkpoint_every",
@@ -209,4 +218,4 @@ def build_config(method: str, *, preset: str = "paper", **overrides: Any) -> Run
     return RunConfig(method=method, preset=preset, **values)
 
 
-__all__ = ["METHODS", "PRESETS", "RunConfig", "METHOD_DEFAULTS", "PRESET_OVERRIDES", "build_config"]
+__all__ = ["METHODS", "PRESETS", "ROLLOUT_MODES", "RunConfig", "METHOD_DEFAULTS", "PRESET_OVERRIDES", "build_config"]

@@ -12,11 +12,12 @@ behaviour snapshot and trains one epoch of minibatches over them (its App. A.4).
 Checkpoints (orbax: train state + buffer + cursor) are written every ``checkpoint_every`` updates at the moment
 the next batch is already buffered, so a resumed run takes exactly the batch an uninterrupted one would have
 taken: the next loss is the same. Rollouts that were in flight when a run stopped are replayed from the task
-cursor on resume.
+cursor on resume, and the metrics written after the checkpoint are rewound. With ``rollout_mode="sync"`` the
+runners play waves of ``rollout_slots`` episodes in task order between updates instead of streaming, so the whole
+run is reproducible: a run killed and resumed any number of times gives the same losses as an uninterrupted one.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import math
@@ -55,7 +56,8 @@ __all__ = ["Trainer", "engine_config_for", "batch_length", "CONFIG_FILE"]
 
 CONFIG_FILE = "config.json"
 # fields a resumed run may change (how long it runs and how it reports), every other field must match
-_MAX_EMPTY_COLLECTIONS = 3      # ActionOPD: collections in a row without one trainable sample before giving up
+_MAX_EMPTY_COLLECTIONS = 3      # collections / sync waves in a row without one trainable sample before giving up
+_MAX_FAILED_IN_A_ROW = 8        # async: this many x rollout_slots failed episodes in a row stop the run
 _RESUMABLE_CHANGES = {"updates", "eval_every", "eval_tasks", "eval_seeds", "checkpoint_every", "keep_checkpoints"}
 
 
@@ -160,13 +162,17 @@ class Trainer:
     weights) before training, every ``eval_every`` updates and at the end; its result is logged as ``eval``.
     ``tasks`` / ``references`` override the training tasks (default: the source's train split, a
     ``train_tasks`` subset) and their references.
+    ``on_phase``: optional ``fn(phase, update)`` told when the loop enters ``rollout`` (samples for ``update``),
+    ``checkpoint`` / ``saved`` (around the write of the checkpoint of ``update``) and ``step`` (the update
+    itself); for progress monitors and the kill-and-resume tests.
     """
 
     def __init__(self, config: RunConfig, *, student: Qwen3, teacher: Qwen3 | None, tokenizer: Any,
                  source: BenchmarkSource, out_dir: str | os.PathLike, progress: bool = True,
                  evaluate: Callable[[Any, int], Mapping[str, Any]] | None = None,
                  tasks: Sequence[Task] | None = None, references: Mapping[str, Any] | None = None,
-                 tensorboard: bool = True, log: Callable[[str], None] = print):
+                 tensorboard: bool = True, log: Callable[[str], None] = print,
+                 on_phase: Callable[[str, int], None] | None = None):
         self.config = config
         self.method = registry.make_method(config)
         if config.method == "sft":
@@ -184,6 +190,8 @@ class Trainer:
         self._tasks_override = list(tasks) if tasks is not None else None
         self._references_override = references
         self._tensorboard = tensorboard
+        self._on_phase = on_phase
+        self._last_failure: str | None = None
 
     # ------------------------------------------------------------------ set-up
     def _check_config(self) -> None:
@@ -271,7 +279,8 @@ class Trainer:
             teacher_engine = Engine(self.teacher, engine_config_for(config, method, scoring=True),
                                     tokenizer=self.tokenizer)
         pool = EnvPool(self.source.env_factory, config.rollout_slots)
-        writer = MetricsWriter(self.out_dir, tensorboard=self._tensorboard)
+        writer = MetricsWriter(self.out_dir, tensorboard=self._tensorboard,
+                               resume_step=version if checkpointer.latest_step() is not None else None)
         runners = None
         try:
             engine.start()
@@ -294,7 +303,7 @@ class Trainer:
             if self.progress:
                 from tqdm import tqdm
                 progress = tqdm(total=config.updates, initial=version, desc=f"{config.method} updates", unit="update")
-            if not method.trains_in_collections:
+            if not method.trains_in_collections and config.rollout_mode == "async":
                 runners = _Runners(strategy, config.rollout_slots, self._task_at, int(meta["cursor"]))
                 runners.resume()
             pending: list[Trajectory] = []
@@ -303,33 +312,50 @@ class Trainer:
             while version < config.updates:
                 timings: dict[str, float] = {}
                 t0 = time.perf_counter()
-                # 1. samples: stream (vanilla / ActFirst / STI) or one collection (ActionOPD)
-                if method.trains_in_collections:
+                # 1. samples: a stream (vanilla / ActFirst / STI, async), waves in task order (sync), or one
+                #    collection (ActionOPD)
+                self._phase("rollout", version + 1)
+                if runners is None:
+                    wave = config.collection_tasks if method.trains_in_collections else config.rollout_slots
+                    wanted = 1 if method.trains_in_collections else config.batch_size
                     empty = 0
-                    while buffer.available(version) == 0:
+                    while buffer.available(version) < wanted:
                         if empty == _MAX_EMPTY_COLLECTIONS:
+                            what = "collections" if method.trains_in_collections else "waves"
                             raise RuntimeError(
-                                f"{config.method}: {empty} consecutive collections of {config.collection_tasks} task "
-                                "starts gave no training samples (no state had a valid teacher action and a reward "
-                                "range among its candidates); the teacher or the student cannot act in this format")
-                        empty += 1
+                                f"{config.method}: {empty} consecutive {what} of {wave} task starts gave no training "
+                                "samples"
+                                + (" (no state had a valid teacher action and a reward range among its candidates); "
+                                   "the teacher or the student cannot act in this format"
+                                   if method.trains_in_collections else f"; last failure: {self._last_failure}"))
                         start = int(meta["cursor"])
-                        picks = [self._task_at(i) for i in range(start, start + config.collection_tasks)]
+                        picks = [self._task_at(i) for i in range(start, start + wave)]
                         trajectories = self._collect(strategy, picks)
-                        meta["cursor"] = start + config.collection_tasks
+                        meta["cursor"] = start + wave
                         collection = int(meta["collections"])
                         meta["collections"] = collection + 1
                         meta["episodes"] += len(trajectories)
                         meta["failed_episodes"] += len(picks) - len(trajectories)
                         pending.extend(trajectories)
-                        buffer.add(self._fit(method.samples(trajectories, collection_id=collection)))
+                        before = buffer.available(version)
+                        if method.trains_in_collections:
+                            buffer.add(self._fit(method.samples(trajectories, collection_id=collection)))
+                        else:
+                            buffer.add(self._fit(method.samples(trajectories)))
+                        empty = empty + 1 if buffer.available(version) == before else 0
                 else:
+                    failed_in_a_row = 0
                     while buffer.available(version) < config.batch_size:
                         finished = runners.results.get()
                         if finished.trajectory is None:
                             meta["failed_episodes"] += 1
+                            failed_in_a_row += 1
                             self.log(f"training episode {finished.index} failed: {finished.error}")
+                            if failed_in_a_row >= _MAX_FAILED_IN_A_ROW * config.rollout_slots:
+                                raise RuntimeError(f"{failed_in_a_row} training episodes in a row failed; "
+                                                   f"last failure: {finished.error}")
                             continue
+                        failed_in_a_row = 0
                         meta["episodes"] += 1
                         pending.append(finished.trajectory)
                         buffer.add(self._fit(method.samples([finished.trajectory])))
@@ -339,7 +365,9 @@ class Trainer:
                 if version % config.checkpoint_every == 0 and version != last_saved:
                     t1 = time.perf_counter()
                     meta["wall_s"] = time.perf_counter() - wall_start
+                    self._phase("checkpoint", version)
                     checkpointer.save(state, buffer, self._meta(meta, runners))
+                    self._phase("saved", version)
                     last_saved = version
                     timings["checkpoint_s"] = time.perf_counter() - t1
                 # 3. the update
@@ -356,6 +384,7 @@ class Trainer:
                     batch = place_batch(host_batch, rows)
                 timings["scoring_s"] = time.perf_counter() - t1
                 t1 = time.perf_counter()
+                self._phase("step", version + 1)
                 state, metrics = train_step(state, batch)
                 self.state = state
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -385,7 +414,9 @@ class Trainer:
             if runners is not None:
                 runners.pause()
             if version != last_saved:
+                self._phase("checkpoint", version)
                 checkpointer.save(state, buffer, self._meta(meta, runners))
+                self._phase("saved", version)
             if self.evaluate_fn is not None and not self._has_eval(version):
                 self._evaluate(writer, None, version, wall_start, wall_s=meta["wall_s"])
             if progress is not None:
@@ -404,6 +435,10 @@ class Trainer:
                 teacher_engine.stop()
 
     # ------------------------------------------------------------------ helpers
+    def _phase(self, phase: str, update: int) -> None:
+        if self._on_phase is not None:
+            self._on_phase(phase, update)
+
     def _fit(self, samples: list[Sample]) -> list[Sample]:
         """Samples longer than ``max_train_tokens`` cannot be trained on; they are dropped and counted."""
         kept = [s for s in samples if len(s) <= self.config.max_train_tokens]
@@ -411,28 +446,16 @@ class Trainer:
         return kept
 
     def _collect(self, strategy: Any, picks: Sequence[tuple[Task, Any, int]]) -> list[Trajectory]:
-        """One ActionOPD collection: every pick played once, ``rollout_slots`` at a time, in pick order."""
-        slots: queue.SimpleQueue = queue.SimpleQueue()
-        for slot in range(self.config.rollout_slots):
-            slots.put(slot)
-
-        def play(pick):
-            slot = slots.get()
-            try:
-                task, reference, seed = pick
-                return strategy.run_episode(slot, task, reference, seed=seed)
-            finally:
-                slots.put(slot)
-
-        with concurrent.futures.ThreadPoolExecutor(self.config.rollout_slots) as executor:
-            futures = [executor.submit(play, pick) for pick in picks]
-            trajectories = []
-            for future in futures:
-                try:
-                    trajectories.append(future.result())
-                except Exception as error:  # noqa: BLE001 - one failed episode never stops the run
-                    self.log(f"collection episode failed: {type(error).__name__}: {error}")
-            return trajectories
+        """One ActionOPD collection or sync wave: every pick played once, ``rollout_slots`` at a time
+        (``RolloutStrategy.play``); the trajectories come back in pick order, failed episodes are logged and
+        counted by the caller."""
+        references = {task.task_id: reference for task, reference, _ in picks if reference is not None}
+        outcomes = strategy.play([task for task, _, _ in picks], references, seeds=[seed for _, _, seed in picks])
+        for outcome in outcomes:
+            if not outcome.ok:
+                self._last_failure = outcome.error
+                self.log(f"training episode {outcome.task.task_id} failed: {outcome.error}")
+        return [outcome.trajectory for outcome in outcomes if outcome.ok]
 
     def _meta(self, meta: dict[str, Any], runners: _Runners | None) -> dict[str, Any]:
         if runners is not None:

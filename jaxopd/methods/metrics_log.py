@@ -4,6 +4,9 @@ Owns ``MetricsWriter``: ``write(kind, step, values)`` appends ``{"kind", "step",
 ``<out>/<kind>.jsonl`` (``train``, ``eval``, ...) and writes every numeric value as a TensorBoard scalar
 ``<kind>/<name>`` through ``tensorboardX`` (a maintained writer of the event format; TensorBoard itself is not
 needed to write). ``read_jsonl`` reads such a file back, skipping a torn last line (a killed run).
+A resumed run opens its writer with ``resume_step``: records after that step (written by the killed run after
+its last checkpoint, to be written again) and a torn last line are removed first, and TensorBoard purges its
+events after that step, so every step appears once.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["MetricsWriter", "read_jsonl"]
+__all__ = ["MetricsWriter", "read_jsonl", "rewind_jsonl"]
 
 
 def _plain(value: Any) -> Any:
@@ -30,14 +33,18 @@ class MetricsWriter:
     """JSONL + TensorBoard writer of one run directory (see the module docstring). ``tensorboard=False`` writes
     JSONL only. Thread-safe enough for one writer thread; close it (or use it as a context manager)."""
 
-    def __init__(self, out_dir: str | os.PathLike, *, tensorboard: bool = True):
+    def __init__(self, out_dir: str | os.PathLike, *, tensorboard: bool = True, resume_step: int | None = None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._files: dict[str, Any] = {}
         self._tb = None
+        if resume_step is not None:
+            for path in sorted(self.out_dir.glob("*.jsonl")):
+                rewind_jsonl(path, resume_step)
         if tensorboard:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+            purge = None if resume_step is None else int(resume_step) + 1
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=purge)
 
     def write(self, kind: str, step: int, values: Mapping[str, Any]) -> dict[str, Any]:
         record = {"kind": kind, "step": int(step), "time": time.time(),
@@ -69,6 +76,20 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def rewind_jsonl(path: str | os.PathLike, step: int) -> int:
+    """Keeps the records of ``path`` up to ``step`` (and those without a step), drops a torn last line; the
+    file is replaced atomically. Returns the number of records removed."""
+    path = Path(path)
+    records = read_jsonl(path)
+    kept = [r for r in records if not isinstance(r.get("step"), int) or r["step"] <= step]
+    text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept)
+    if text != path.read_text(encoding="utf-8"):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    return len(records) - len(kept)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

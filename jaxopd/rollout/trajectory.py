@@ -5,7 +5,9 @@ Owns ``Response`` (one generated response in its context: prompt ids, response i
 ``model_generated`` mask of ActFirst-OPD App. B.3/B.4, the generation mode, the policy version, the teacher
 flag), ``Turn`` (one executed interaction step: the state, the executed action, the environment outcome, the
 responses trained on and the ones only used to choose the action), ``Trajectory`` (one task's rollout),
-``response_to_sample`` (the only place a response becomes a ``Sample``) and the App. C.5 quality record.
+``response_to_sample`` (the only place a response becomes a ``Sample``), the App. C.5 quality record, and
+``EpisodeOutcome`` / ``EpisodesFailed`` (what a batch of episodes gave per task: a trajectory, or the reason it
+failed).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from jaxopd.rollout.tags import ACTION_END
 from jaxopd.train.buffer import Sample
 
 __all__ = ["END_REASONS", "ACTION_SOURCES", "Response", "Turn", "Trajectory", "response_to_sample",
-           "trajectory_samples", "default_state_key", "rollout_quality"]
+           "trajectory_samples", "default_state_key", "rollout_quality", "EpisodeOutcome", "EpisodesFailed",
+           "error_reason"]
 
 END_REASONS: tuple[str, ...] = (
     "done",                 # the environment terminated (success or terminal failure)
@@ -357,3 +360,66 @@ def rollout_quality(trajectories: Sequence[Trajectory],
                     ) -> metrics.RolloutQuality:
     """App. C.5's Repeat / Yield / mean turns over ``trajectories``."""
     return metrics.rollout_quality([t.quality_record(state_key) for t in trajectories])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Outcomes of a batch of episodes
+# ----------------------------------------------------------------------------------------------------------
+def error_reason(error: BaseException) -> str:
+    """An exception as a failure reason: ``"ExcType: message"`` (just the type when the message is empty)."""
+    message = str(error)
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EpisodeOutcome:
+    """What one task of a batch gave (``RolloutStrategy.play``): its ``trajectory``, or, when the episode
+    failed, ``error`` (``"ExcType: message"``). Exactly one of the two is set. ``index``: the task's position in
+    the batch (a task may be listed twice). ``exception``: the exception itself when there is one (for
+    chaining; not part of the record)."""
+
+    index: int
+    task: Task
+    trajectory: Trajectory | None = None
+    error: str | None = None
+    exception: BaseException | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self):
+        if (self.trajectory is None) == (self.error is None):
+            raise ValueError("an EpisodeOutcome holds exactly one of a trajectory and an error")
+        if self.error is not None and not (isinstance(self.error, str) and self.error):
+            raise ValueError(f"EpisodeOutcome.error must be a non-empty reason, got {self.error!r}")
+        if self.trajectory is not None and self.trajectory.task.task_id != self.task.task_id:
+            raise ValueError(f"trajectory of {self.trajectory.task.task_id!r} reported for task {self.task.task_id!r}")
+        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
+            raise ValueError(f"EpisodeOutcome.index must be a non-negative int, got {self.index!r}")
+
+    @classmethod
+    def failed(cls, index: int, task: Task, error: BaseException) -> "EpisodeOutcome":
+        return cls(index=index, task=task, error=error_reason(error), exception=error)
+
+    @property
+    def ok(self) -> bool:
+        """The episode completed and ``trajectory`` holds it."""
+        return self.trajectory is not None
+
+
+class EpisodesFailed(RuntimeError):
+    """Some episodes of a batch failed (``RolloutStrategy.collect``, raised after every episode finished).
+
+    ``outcomes``: every task's ``EpisodeOutcome`` in batch order, the completed trajectories included;
+    ``failed``: the failed ones. The message names each failed task id with its reason."""
+
+    def __init__(self, outcomes: Sequence[EpisodeOutcome]):
+        self.outcomes = list(outcomes)
+        self.failed = [outcome for outcome in self.outcomes if not outcome.ok]
+        lines = [f"  [{o.index}] {o.task.task_id}: {o.error}" for o in self.failed]
+        super().__init__(f"{len(self.failed)} of {len(self.outcomes)} episodes failed:\n" + "\n".join(lines))
+
+    def __reduce__(self):
+        return (type(self), (self.outcomes,))
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        """The trajectories that completed, in batch order."""
+        return [outcome.trajectory for outcome in self.outcomes if outcome.ok]

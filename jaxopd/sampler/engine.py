@@ -657,7 +657,7 @@ class Engine(EngineBase):
         text, error = "", None
         if self.tokenizer is not None:
             try:
-                text = self.tokenizer.decode(seq.generated)
+                text = self.tokenizer.decode(seq.output_ids)
             except Exception as exc:  # noqa: BLE001
                 log.exception("decoding the output of %s failed", seq.request.request_id)
                 reason, error = "error", _message(exc)

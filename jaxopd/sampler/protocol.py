@@ -111,9 +111,14 @@ class EngineBase(abc.ABC):
         return int(version)
 
     def _abort_if_cancelled(self, request_id: str):
-        """A done-callback for a request's future: a cancelled future aborts its request."""
+        """A done-callback for a request's future: a cancelled future aborts its request.
+
+        It also marks the cancellation as notified (``set_running_or_notify_cancel``, the executor's half of
+        the ``Future`` protocol): ``concurrent.futures.wait`` and ``as_completed`` count a future as done only
+        once that is called, so without it they never returned for a cancelled request."""
         def callback(future: Future) -> None:
             if future.cancelled():
+                future.set_running_or_notify_cancel()
                 self.abort(request_id)
         return callback
 

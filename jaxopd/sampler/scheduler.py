@@ -110,6 +110,15 @@ class Sequence:
         return self.request.score_ids is not None
 
     @property
+    def output_ids(self) -> list[int]:
+        """The token ids its result returns: ``generated``, except for a score request that has not been
+        scored (aborted or failed before its last chunk): none, since its completion was given, not made, and
+        has no log-probabilities yet (``Result.logprobs[i]`` always belongs to ``Result.token_ids[i]``)."""
+        if self.is_score and len(self.logprobs) != len(self.generated):
+            return []
+        return self.generated
+
+    @property
     def recompute_from(self) -> int:
         """The first token whose prefill cannot be skipped by prefix sharing: the last token (its logits
         sample the next one), or for a score request the last prompt token (its logits score the completion)."""
@@ -140,7 +149,7 @@ class Sequence:
             last = self.last_version if self.last_version is not None else self.first_version
             versions = (self.first_version, last)
         return Result(request_id=self.request.request_id, kind=self.request.kind, prompt_ids=tuple(self.prompt),
-                      token_ids=list(self.generated), text=text, logprobs=np.asarray(self.logprobs, np.float32),
+                      token_ids=list(self.output_ids), text=text, logprobs=np.asarray(self.logprobs, np.float32),
                       finish_reason=reason, timings=Timings(self.submitted_at, admitted, first, finished_at),
                       num_preemptions=self.num_preemptions, error=error, policy_versions=versions,
                       seed=self.request.params.seed)

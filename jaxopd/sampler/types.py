@@ -40,6 +40,14 @@ def is_real(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
+def _is_finite(value) -> bool:
+    """``math.isfinite`` of a real number; an int too large for a float is not finite (no OverflowError)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _is_sequence(value) -> bool:
     """A list, tuple, range or 1-D array; a str or bytes is not a sequence of items here."""
     if isinstance(value, (str, bytes)):
@@ -93,7 +101,7 @@ class SamplingParams:
             raise ValueError(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})")
-        if not is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not is_real(self.temperature) or not _is_finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (a finite number; 0 is greedy), got {self.temperature!r}")
         if not is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (a number), got {self.top_p!r}")
@@ -143,7 +151,8 @@ class Request:
     nothing, and returns ``Result.token_ids = score_ids`` with ``Result.logprobs[i]`` = log π(score_ids[i] |
     prompt, score_ids[:i]) under ``params.temperature`` (``tempered_log_softmax``: the full vocabulary, no
     top-p/top-k; temperature 0 gives the plain log-softmax), and ``finish_reason='length'``. Only
-    ``params.temperature`` matters then.
+    ``params.temperature`` matters then. A score request aborted or failed before it was scored returns no
+    tokens (``token_ids == []``).
     """
 
     prompt_ids: Sequence[int]
@@ -189,10 +198,10 @@ class Request:
                 raise ValueError(f"score_ids must be integers in [0, {vocab_size})")
             if n + len(self.score_ids) > max_seq_len:
                 raise ValueError(f"prompt of {n:,} tokens + score_ids of {len(self.score_ids):,} exceeds "
-                                 f"max_seq_len {max_seq_len:,}")
+                                 f"max_seq_len {max_seq_len:,}: shorten prompt_ids or score_ids")
         elif n + self.params.max_new_tokens > max_seq_len:
             raise ValueError(f"prompt of {n:,} tokens + max_new_tokens {self.params.max_new_tokens:,} exceeds "
-                             f"max_seq_len {max_seq_len:,}")
+                             f"max_seq_len {max_seq_len:,}: shorten prompt_ids or lower max_new_tokens")
         if not all(is_int(t) for t in self.prompt_ids):
             raise ValueError(f"prompt_ids must be integers in [0, {vocab_size}), got "
                              f"{next(t for t in self.prompt_ids if not is_int(t))!r}")

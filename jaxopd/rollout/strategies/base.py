@@ -5,9 +5,11 @@ Owns ``RolloutConfig`` (turn limit, prompt budget, App. B.3 thinking budget, sam
 ``Decision`` (what a strategy chose at a turn), ``Episode`` (the live state of one rollout: o_t, the stored
 history h_t of (o_i, executed a_i) pairs of App. B.2), and ``RolloutStrategy``: its episode loop resets the
 slot, asks the strategy for a decision per turn, executes the action, runs the strategy's post-step hook
-(ActFirst-OPD's transition check), and assembles the ``Trajectory``; its helpers render prompts and submit
-full (budgeted) and action-only requests with per-(task, turn, role) seeds. Strategies block on futures in
-one host thread per episode, so the engine batches across episodes while environments step in the pool.
+(ActFirst-OPD's transition check), and assembles the ``Trajectory``; ``play`` runs a batch over the pool's slots
+and reports each task's outcome (its trajectory or the reason it failed; ``collect`` raises ``EpisodesFailed``
+instead); its helpers render prompts and submit full (budgeted) and action-only requests with per-(task, turn,
+role) seeds. Strategies block on futures in one host thread per episode, so the engine batches across episodes
+while environments step in the pool.
 """
 from __future__ import annotations
 
@@ -27,11 +29,11 @@ from envs.references import ReferenceTrajectory
 from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, render_prompt
 from jaxopd.rollout.tags import ACTION_STOP_STRING
 from jaxopd.rollout.thinking import ThinkingBudget, submit_budgeted
-from jaxopd.rollout.trajectory import Response, Trajectory, Turn
+from jaxopd.rollout.trajectory import EpisodeOutcome, EpisodesFailed, Response, Trajectory, Turn
 from jaxopd.sampler.types import Request, SamplingParams
 
 __all__ = ["GenerationEngine", "RolloutConfig", "Decision", "Episode", "PromptOverBudget", "RolloutStrategy",
-           "request_seed", "then", "is_action_valid"]
+           "EpisodeOutcome", "EpisodesFailed", "request_seed", "then", "is_action_valid"]
 
 
 class GenerationEngine(Protocol):
@@ -149,8 +151,10 @@ class Episode:
 class RolloutStrategy(abc.ABC):
     """One rollout strategy over an engine (``submit(Request) -> Future[Result]``) and an ``EnvPool``.
 
-    ``run_episode(slot, task, reference)`` plays one task on one pool slot and returns its ``Trajectory``;
-    ``collect(tasks, references)`` plays a batch concurrently, one host thread per pool slot.
+    ``run_episode(slot, task, reference)`` plays one task on one pool slot and returns its ``Trajectory`` (or
+    raises); ``play(tasks, references, seeds=)`` plays a batch concurrently, one host thread per pool slot, and
+    returns one ``EpisodeOutcome`` per task (its trajectory, or why it failed); ``collect`` is ``play`` for
+    callers that need every trajectory (``EpisodesFailed`` after the batch when one failed).
     ``policy_version`` is the student version the rollout engine currently serves; the loop sets it after
     each weight sync and every response records the version read when its request was submitted.
     """
@@ -243,30 +247,74 @@ class RolloutStrategy(abc.ABC):
                           info={"policy_version": episode.policy_version, "slot": episode.slot,
                                 **{k: v for k, v in episode.state.items() if isinstance(v, (bool, int, float, str))}})
 
-    def collect(self, tasks: Sequence[Task],
-                references: Mapping[str, ReferenceTrajectory] | None = None) -> list[Trajectory]:
-        """Play ``tasks`` concurrently, at most one episode per pool slot at a time; results in task order.
+    def play(self, tasks: Sequence[Task], references: Mapping[str, ReferenceTrajectory] | None = None, *,
+             seeds: Sequence[int | None] | None = None, slots: int | None = None) -> list[EpisodeOutcome]:
+        """Play ``tasks`` concurrently, at most one episode per pool slot at a time; one ``EpisodeOutcome`` per
+        task, in task order, whatever happened to the others.
+
+        Owns the batch: hands pool slots to episodes, runs each episode in its own host thread, and turns an
+        episode that raised (an ``EnvError`` the pool could not recover, an engine error, a bad reference)
+        into a failed outcome whose ``error`` is ``"ExcType: message"``; it returns only when every episode has
+        finished, so no trajectory is dropped because another failed. Recovering a crashed environment is the
+        pool's (``envs.pool.EnvPool`` rebuilds and replays); this method only reports what could not be saved.
 
         ``references`` maps task ids to reference trajectories (required by reference-guided strategies).
+        ``seeds``: one episode seed per task (None: ``config.seed``), passed to ``run_episode(..., seed=)``; a
+        task listed twice with two seeds is played twice. ``slots``: how many pool slots to use (default all).
+        Invalid arguments raise ``ValueError`` before any episode starts; a ``BaseException`` that is not an
+        ``Exception`` (KeyboardInterrupt) is not turned into an outcome and propagates.
         """
         tasks = list(tasks)
         references = dict(references or {})
+        if seeds is None:
+            seeds = [None] * len(tasks)
+        else:
+            seeds = list(seeds)
+            if len(seeds) != len(tasks):
+                raise ValueError(f"seeds must give one seed per task: {len(seeds)} seeds for {len(tasks)} tasks")
+        for task in tasks:
+            if not isinstance(task, Task):
+                raise ValueError(f"tasks must be envs.base.Task records, got {type(task).__name__}")
+        num_slots = self.pool.num_slots if slots is None else slots
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 1 <= num_slots <= self.pool.num_slots:
+            raise ValueError(f"slots must be in [1, {self.pool.num_slots}] (the pool's slots), got {slots!r}")
         free_slots: queue.SimpleQueue = queue.SimpleQueue()
-        for slot in range(self.pool.num_slots):
+        for slot in range(num_slots):
             free_slots.put(slot)
 
-        def play(task: Task) -> Trajectory:
+        def play_one(index: int, task: Task, seed: int | None) -> EpisodeOutcome:
             slot = free_slots.get()
             try:
-                return self.run_episode(slot, task, references.get(task.task_id))
+                trajectory = self.run_episode(slot, task, references.get(task.task_id), seed=seed)
+            except Exception as error:  # noqa: BLE001 - one failed episode is reported, never lost with the others
+                return EpisodeOutcome.failed(index, task, error)
             finally:
                 free_slots.put(slot)
+            return EpisodeOutcome(index=index, task=task, trajectory=trajectory)
 
-        workers = max(1, min(self.pool.num_slots, len(tasks)))
+        if not tasks:
+            return []
+        workers = max(1, min(num_slots, len(tasks)))
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers,
                                                    thread_name_prefix=f"rollout-{self.name}") as executor:
-            futures = [executor.submit(play, task) for task in tasks]
+            futures = [executor.submit(play_one, index, task, seed)
+                       for index, (task, seed) in enumerate(zip(tasks, seeds))]
+            concurrent.futures.wait(futures)
             return [future.result() for future in futures]
+
+    def collect(self, tasks: Sequence[Task],
+                references: Mapping[str, ReferenceTrajectory] | None = None, *,
+                seeds: Sequence[int | None] | None = None) -> list[Trajectory]:
+        """Every task's trajectory, in task order: :meth:`play`, then, if any episode failed, ``EpisodesFailed``
+        (raised only after every episode finished; its ``outcomes`` hold the trajectories that completed and
+        its message names each failed task with its reason). For callers that cannot use a partial batch;
+        callers that can should use :meth:`play`.
+        """
+        outcomes = self.play(tasks, references, seeds=seeds)
+        failed = [outcome for outcome in outcomes if not outcome.ok]
+        if failed:
+            raise EpisodesFailed(outcomes) from failed[0].exception
+        return [outcome.trajectory for outcome in outcomes]
 
     # ------------------------------------------------------------------ helpers for strategies
     def seed(self, episode: Episode, role: str, index: int = 0) -> int:

@@ -1,0 +1,177 @@
+"""Bad input on the command lines: one line naming the problem on stderr, exit code 2, no traceback.
+
+Owns, for every command line of the project (``experiments/*.py``, ``bench/*.py``):
+
+* ``Parser``: the ``argparse`` parser whose usage errors (an unknown flag, a wrong choice such as a preset name,
+  a number that does not parse) are the one line ``error: ... (see python -m X --help)`` and exit code 2, with no
+  usage dump;
+* ``UsageError``: bad input found by a command's own checks;
+* ``run_main``: runs a command's body and turns a ``UsageError`` into ``error: ...`` on stderr and exit code 2
+  (``usage_errors`` turns the ``ValueError`` of a configuration check, before any work starts, into one);
+* the shared checks, each raising ``UsageError`` with the message every command uses: a checkpoint folder
+  (``check_checkpoint_folder``), an input folder (``check_input_folder``), an output folder or file
+  (``check_out_dir``, ``check_out_file``), ``$ALFWORLD_DATA`` (``check_alfworld_data``), a Qwen3 architecture
+  preset (``check_model_preset``) and the teacher's vocabulary against the student's (``check_same_vocabulary``,
+  ``checkpoint_vocab_size``).
+
+Nothing heavy is imported here (no jax): a bad flag is rejected before the slow imports of a command.
+``check_model_preset`` alone imports ``jaxopd.models.qwen3`` (and so jax), when it is called.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+ALFWORLD_DATA_ENV = "ALFWORLD_DATA"
+EXIT_USAGE = 2
+
+__all__ = ["EXIT_USAGE", "Parser", "UsageError", "usage_errors", "report", "run_main", "check_input_folder",
+           "check_checkpoint_folder", "check_out_dir", "check_out_file", "check_alfworld_data", "check_model_preset",
+           "checkpoint_vocab_size", "check_same_vocabulary"]
+
+
+class UsageError(ValueError):
+    """Bad input: reported as one line and exit code 2. A ``ValueError``, so the checks of a command that already
+    catches ``ValueError`` report it unchanged."""
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors are one line naming the problem and exit code 2 (no usage dump). Give ``prog`` as the command
+    is typed (``python -m experiments.train``): it is named in the hint."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).splitlines()).strip()
+
+
+def report(error: BaseException | str) -> int:
+    """Print ``error: <message>`` as one line on stderr; returns the exit code 2."""
+    print(f"error: {_one_line(error)}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+@contextlib.contextmanager
+def usage_errors(*kinds: type[BaseException]) -> Iterator[None]:
+    """Inside the block, an exception of ``kinds`` (default ``ValueError``: a configuration check that refused the
+    input, before any work started) becomes a ``UsageError`` with its message. Wrap checks only, never the run:
+    a ``ValueError`` of the work itself is a bug and keeps its traceback."""
+    caught: tuple[type[BaseException], ...] = kinds or (ValueError,)
+    try:
+        yield
+    except UsageError:
+        raise
+    except caught as error:
+        raise UsageError(str(error)) from None
+
+
+def run_main(body: Callable[[], Any]) -> int:
+    """``body()``'s exit code when it returns an int, else 0 (None, or a result a benchmark's ``main`` returns);
+    a ``UsageError`` from it is one line on stderr and exit code 2.
+
+        def main(argv=None) -> int:
+            args = build_parser().parse_args(argv)
+            return cli.run_main(lambda: run(args))
+    """
+    try:
+        code = body()
+    except UsageError as error:
+        return report(error)
+    return code if isinstance(code, int) and not isinstance(code, bool) else 0
+
+
+# ------------------------------------------------------------------------------------------------ the checks
+def check_input_folder(flag: str, path: str | os.PathLike) -> Path:
+    """``path`` (given as ``flag``) is an existing folder."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise UsageError(f"{flag} {str(path)!r}: no such folder")
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is not a folder")
+    return folder
+
+
+def check_checkpoint_folder(flag: str, path: str | os.PathLike) -> Path:
+    """``path`` (given as ``flag``) is a Hugging Face checkpoint folder: it exists and holds ``config.json``."""
+    folder = check_input_folder(flag, path)
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"{flag} {str(path)!r} is not a Hugging Face checkpoint (no config.json)")
+    return folder
+
+
+def check_out_dir(flag: str, path: str | os.PathLike) -> Path:
+    """``path`` (given as ``flag``) is a folder that can be created and written: created now, a probe file written
+    and removed, so that a run fails here rather than when it writes its results."""
+    out = Path(path).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(f"{flag} {str(path)!r} is not writable: {error.strerror or error}") from None
+    return out
+
+
+def check_out_file(flag: str, path: str | os.PathLike) -> Path:
+    """``path`` (given as ``flag``) is a file that can be written: not a folder, its folder created and writable."""
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is a folder; a file name is needed")
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe = parent / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(f"{flag} {str(path)!r} is not writable: {error.strerror or error}") from None
+    return out
+
+
+def check_alfworld_data() -> Path | None:
+    """``$ALFWORLD_DATA``, when set, names a folder (the official ALFWorld games); returns it (None when unset)."""
+    value = os.environ.get(ALFWORLD_DATA_ENV)
+    if not value:
+        return None
+    root = Path(value).expanduser()
+    if not root.is_dir():
+        raise UsageError(f"${ALFWORLD_DATA_ENV}={value!r} is not a folder")
+    return root
+
+
+def check_model_preset(flag: str, name: str) -> str:
+    """``name`` (given as ``flag``) is a Qwen3 architecture preset of ``jaxopd.models.qwen3`` (imports jax)."""
+    from jaxopd.models.qwen3 import PRESETS
+
+    if name.lower().replace("_", "-") not in PRESETS:
+        raise UsageError(f"{flag} {name!r} is not a Qwen3 preset; choose one of {sorted(PRESETS)}")
+    return name
+
+
+def checkpoint_vocab_size(flag: str, path: str | os.PathLike) -> int:
+    """The vocabulary size a Hugging Face checkpoint folder declares in its ``config.json`` (no weights read)."""
+    folder = check_checkpoint_folder(flag, path)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        return int(config.get("text_config", config)["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"{flag} {str(path)!r}: config.json gives no vocabulary size ({error})") from None
+
+
+def check_same_vocabulary(student_vocab: int, teacher_vocab: int, *, student: str | None = None,
+                          teacher: str | None = None) -> None:
+    """On-policy distillation compares the two models token by token: one token space. ``student`` / ``teacher``:
+    where each model comes from (e.g. ``--weights 'DIR'``), named in the message when given."""
+    if teacher_vocab != student_vocab:
+        teacher_from = f", {teacher}" if teacher else ""
+        student_from = f", {student}" if student else ""
+        raise UsageError(f"the teacher's vocabulary ({teacher_vocab} tokens{teacher_from}) differs from the "
+                         f"student's ({student_vocab}{student_from}); OPD needs one token space")
