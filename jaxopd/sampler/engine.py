@@ -21,6 +21,7 @@ from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
+import jax
 import numpy as np
 
 import kernels
@@ -186,6 +187,7 @@ class Engine(EngineBase):
             for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._fail(seq, RuntimeError("engine stopped"))
             self._run = None                     # its steps in flight are dropped with their requests
+            self._decode_buffers.clear()         # ... and may still read their host arrays: never reuse them
 
     def warmup(self) -> int:
         """Compile every prefill/decode bucket (call before timing; nothing compiles afterwards); returns the
@@ -373,6 +375,7 @@ class Engine(EngineBase):
             if not running and self.scheduler.waiting:
                 self._error(self.scheduler.waiting[0], exc)
             self._run = None
+            self._decode_buffers.clear()             # steps of the dropped run may still read their host arrays
             self.scheduler.clear_prefix_cache()      # a failed step may have left the cache re-created
             try:
                 self.executor.ensure_cache()
@@ -559,6 +562,9 @@ class Engine(EngineBase):
         """Take step k's tokens: record them for every live row at once, then finish the rows that stop or
         reach their length (stop strings: only rows that have them)."""
         tokens_on_device, logprobs_on_device, version = run.pending.popleft()
+        # Wait for every device of the step: ``np.asarray`` of a replicated output waits for one replica only, and
+        # this step's host arrays (aliased by the CPU backend) are rewritten for a later step once it is processed
+        jax.block_until_ready((tokens_on_device, logprobs_on_device))
         n = run.n
         tokens = np.asarray(tokens_on_device)[:n]
         logprobs = np.asarray(logprobs_on_device)[:n]

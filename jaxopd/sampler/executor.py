@@ -225,7 +225,8 @@ class Executor:
         waits). ``batch.tokens`` may be the tokens array of the previous step, still on the device.
 
         The host arrays of ``batch`` may be used by the device until the step's outputs are ready (the CPU
-        backend can alias numpy memory): the caller must not write into them before that."""
+        backend can alias numpy memory): the caller must not write into them before that, on every device
+        (``jax.block_until_ready``; ``np.asarray`` of a replicated output waits for one replica only)."""
         s = batch.sampling
         self.kv, tokens, logprobs = decode_step(
             self._static, self.backend, self._state_leaves, self.kv, self.head_dv, batch.tokens,
