@@ -21,7 +21,6 @@ needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="ScienceWor
 def chaos():
     pytest.importorskip("scienceworld")
     pytest.importorskip("alfworld")
-    pytest.importorskip("psutil")
     if shutil.which("java") is None:
         pytest.skip("ScienceWorld needs a Java runtime")
     from bench.env_chaos import run_env_chaos
