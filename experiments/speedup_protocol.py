@@ -489,9 +489,9 @@ class _FixedContextTurns:
     def render(self, mode, inputs, tokenizer=None):
         return list(self.engine.local.episode.task.payload["prompt_ids"][mode])
 
-    def run_episode(self, slot, task, reference=None):
+    def run_episode(self, slot, task, reference=None, *, seed=None):
         try:
-            return super().run_episode(slot, task, reference)
+            return super().run_episode(slot, task, reference, seed=seed)
         finally:
             self.engine.episode_ended(task.payload["position"])
 
