@@ -277,8 +277,10 @@ class ChaosMonkey:
     and keeps the accounts: faults injected per kind, the faults and errors each task met, JVM kills noticed."""
 
     def __init__(self, seed: int, *, mean_gap_s: float = 3.0, weights: dict[str, float] | None = None,
-                 hang_s: float | None = None, max_hangs: int = 1, hang_window_s: tuple[float, float] = (5.0, 20.0)):
+                 hang_s: float | None = None, max_hangs: int = 1, hang_window_s: tuple[float, float] = (5.0, 20.0),
+                 min_per_kind: int = 2):
         self.rng = random.Random(seed)
+        self.min_per_kind = min_per_kind
         self.mean_gap_s = mean_gap_s
         self.weights = dict(weights or DEFAULT_WEIGHTS)
         self.hang_s = hang_s
@@ -388,15 +390,24 @@ class ChaosMonkey:
         while not self._stop.wait(self.rng.expovariate(1.0 / self.mean_gap_s)):
             self.jvm_peak = max(self.jvm_peak, sum(c["status"] != "zombie" for c in java_children()))
             if self.hang_s is not None and self._hangs_used() < self.max_hangs and self._elapsed() >= self.hang_due_s:
-                kind = "hang"
+                order = ["hang"]
             else:
+                # a kind injected fewer than ``min_per_kind`` times goes first (at a moment where it has a target),
+                # so every kind happens however fast the machine plays the episodes; then the weighted draw
                 kinds = list(self.weights)
-                kind = self.rng.choices(kinds, [self.weights[k] for k in kinds])[0]
-            try:
-                done = self._inject(kind)
-            except Exception:  # noqa: BLE001 - the chaos thread must outlive its own mistakes
-                logger.exception("chaos injection of %s failed", kind)
-                done = False
+                injected = self.injected()
+                behind = [k for k in kinds if injected.get(k, 0) < self.min_per_kind]
+                self.rng.shuffle(behind)
+                order = behind + [self.rng.choices(kinds, [self.weights[k] for k in kinds])[0]]
+            done = False
+            for kind in order:
+                try:
+                    done = self._inject(kind)
+                except Exception:  # noqa: BLE001 - the chaos thread must outlive its own mistakes
+                    logger.exception("chaos injection of %s failed", kind)
+                    done = False
+                if done:
+                    break
             if not done:
                 self.skipped += 1
 
