@@ -110,13 +110,7 @@ def check_out_dir(flag: str, path: str | os.PathLike) -> Path:
     """``path`` (given as ``flag``) is a folder that can be created and written: created now, a probe file written
     and removed, so that a run fails here rather than when it writes its results."""
     out = Path(path).expanduser()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise UsageError(f"{flag} {str(path)!r} is not writable: {error.strerror or error}") from None
+    _check_writable_folder(flag, path, out)
     return out
 
 
@@ -125,15 +119,19 @@ def check_out_file(flag: str, path: str | os.PathLike) -> Path:
     out = Path(path).expanduser()
     if out.is_dir():
         raise UsageError(f"{flag} {str(path)!r} is a folder; a file name is needed")
-    parent = out.parent
+    _check_writable_folder(flag, path, out.parent)
+    return out
+
+
+def _check_writable_folder(flag: str, path: str | os.PathLike, folder: Path) -> None:
+    """Creates ``folder`` and writes and removes a probe file in it; ``UsageError`` naming ``flag`` and ``path``."""
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        probe = parent / f".write-test-{os.getpid()}"
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as error:
         raise UsageError(f"{flag} {str(path)!r} is not writable: {error.strerror or error}") from None
-    return out
 
 
 def check_alfworld_data() -> Path | None:

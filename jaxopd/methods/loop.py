@@ -338,10 +338,7 @@ class Trainer:
                         meta["failed_episodes"] += len(picks) - len(trajectories)
                         pending.extend(trajectories)
                         before = buffer.available(version)
-                        if method.trains_in_collections:
-                            buffer.add(self._fit(method.samples(trajectories, collection_id=collection)))
-                        else:
-                            buffer.add(self._fit(method.samples(trajectories)))
+                        buffer.add(self._fit(method.samples(trajectories, collection_id=collection)))
                         empty = empty + 1 if buffer.available(version) == before else 0
                 else:
                     failed_in_a_row = 0
