@@ -156,31 +156,35 @@ def run_pool_episodes(pool: EnvPool, num_slots: int, actions) -> None:
             f.result()
 
 
-def test_sixteen_envs_concurrently_faster_than_sequentially(faults):
-    """16 envs with a 30-70 ms I/O-bound latency: the pool finishes far sooner than one-by-one stepping."""
+class RendezvousEnv(FakeEnv):
+    """A FakeEnv whose every call waits at a barrier shared by all slots: the calls of one round can only
+    return once all of them are in flight at the same moment, so a pool that serialised them would break
+    the barrier (``threading.BrokenBarrierError``) instead of finishing."""
+
+    barrier: threading.Barrier
+
+    def reset(self, task):
+        self.barrier.wait(timeout=60)
+        return super().reset(task)
+
+    def step(self, action):
+        self.barrier.wait(timeout=60)
+        return super().step(action)
+
+
+def test_sixteen_envs_step_concurrently(faults, monkeypatch):
+    """16 slots: every reset and step of a round is in flight at once (a barrier of 16 proves it, no clock).
+
+    The speed this buys on real environments is measured by ``bench/env_pool.py``, not here."""
     num_slots, actions = 16, ACTIONS[:4]
-    latencies = [0.03 + 0.04 * (s % 5) / 4 for s in range(num_slots)]   # 30..70 ms
-
-    start = time.perf_counter()
-    for s in range(num_slots):
-        env = FakeEnv(faults, latencies[s])
-        env.reset(fake_task(s))
-        for a in actions:
-            env.step(a)
-    sequential_s = time.perf_counter() - start
-
-    latency_iter = iter(latencies)
-    with EnvPool(lambda: FakeEnv(faults, next(latency_iter)), num_slots) as pool:
-        pool.warm_up()
-        start = time.perf_counter()
+    monkeypatch.setattr(RendezvousEnv, "barrier", threading.Barrier(num_slots), raising=False)
+    with EnvPool(faults.factory(env_class=RendezvousEnv), num_slots, max_retries=0) as pool:
         run_pool_episodes(pool, num_slots, actions)
-        pooled_s = time.perf_counter() - start
-    ratio = sequential_s / pooled_s
-    print(f"\n16 fake envs (30-70 ms/call), 1 reset + 4 steps each: sequential {sequential_s:.2f} s, "
-          f"pool {pooled_s:.2f} s, speedup {ratio:.1f}x")
-    # Ideal: 16 * mean(50 ms) vs 5 rounds of max(70 ms) -> about 11x; allow a loaded 2-core machine.
-    assert ratio > 4.0
-    assert faults.overlaps == 0
+        for s in range(num_slots):
+            assert pool.trajectory(s).actions == tuple(actions)
+            assert pool.trajectory(s).observations[-1].text == sequential_texts(fake_task(s), actions)[-1]
+    assert faults.overlaps == 0            # and never two calls on one environment
+    assert not RendezvousEnv.barrier.broken
 
 
 def test_trajectories_match_sequential_runs_and_are_not_mixed(faults):
@@ -250,7 +254,7 @@ def test_hung_call_raises_after_timeout_and_env_is_rebuilt(faults):
         with pytest.raises(EnvTimeoutError, match="did not return within 0.3 s"):
             pool.step(0, ACTIONS[1])
         waited = time.perf_counter() - start
-        assert 0.25 < waited < 2.0
+        assert waited > 0.25    # the call was given its time (an upper bound would time the machine)
         hung = faults.instances[0]
         # trajectory unchanged by the failed call; the next call rebuilds, replays and continues
         assert pool.trajectory(0).actions == (ACTIONS[0],)
@@ -298,7 +302,7 @@ def test_bad_input_is_value_error_and_env_kept(faults):
         EnvPool(faults.factory(), 0)
 
 
-def test_asyncio_forms(faults):
+def test_asyncio_forms(faults, monkeypatch):
     num_slots = 5
 
     async def episode(pool, slot):
@@ -311,13 +315,12 @@ def test_asyncio_forms(faults):
     async def main(pool):
         return await asyncio.gather(*(episode(pool, s) for s in range(num_slots)))
 
-    with EnvPool(faults.factory(latency_s=0.01), num_slots) as pool:
-        start = time.perf_counter()
+    monkeypatch.setattr(RendezvousEnv, "barrier", threading.Barrier(num_slots), raising=False)
+    with EnvPool(faults.factory(env_class=RendezvousEnv), num_slots, max_retries=0) as pool:
         results = asyncio.run(main(pool))
-        elapsed = time.perf_counter() - start
     for s, texts in enumerate(results):
         assert texts == sequential_texts(fake_task(s), ACTIONS)
-    assert elapsed < 0.6 * num_slots * (len(ACTIONS) + 1) * 0.01 + 0.2   # concurrent, not serial
+    assert not RendezvousEnv.barrier.broken   # every round met at the barrier: concurrent, not serial
 
 
 def test_close_fails_queued_calls_and_closes_envs(faults):
@@ -564,10 +567,8 @@ def test_hung_call_in_a_worker_is_stopped_not_left_running():
         pool.reset(0, fake_task(0))
         pool.step(0, "act 0")
         hung = pool.worker_pids[0]
-        start = time.perf_counter()
         with pytest.raises(EnvTimeoutError, match="did not return within 1 s"):
             pool.step(0, "hang")
-        assert time.perf_counter() - start < 5
         assert _wait_until(lambda: not _alive(hung), 5)
         assert pool.step(0, "act 1").text == scripted_texts(fake_task(0), ["act 0", "act 1"])[-1]
         assert pool.trajectory(0).recoveries == 1 and pool.worker_pids[0] != hung

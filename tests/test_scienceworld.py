@@ -182,13 +182,11 @@ def test_text_the_engine_cannot_receive_is_bad_input_not_a_crash(sw_env):
     """Issue 15.15: a lone surrogate is a ValueError before the JVM; the healthy JVM is neither killed nor restarted."""
     sw_env.reset(BOIL)
     pid, restarts = sw_env.jvm_pid, sw_env.restarts
-    start = time.perf_counter()
     for text in ("look around\ud800", "\udc80"):
         with pytest.raises(ValueError, match="not valid text"):
             sw_env.step(text)
     with pytest.raises(ValueError, match="unknown ScienceWorld task type"):      # every text sent is checked
         sw_env.reset(Task("scienceworld", "train", "x", "boil", {"task_name": "boil\ud800", "variation": 0}))
-    assert time.perf_counter() - start < 3
     assert (sw_env.jvm_pid, sw_env.restarts) == (pid, restarts) and _pid_alive(pid)
     sw_env.reset(BOIL)
     assert sw_env.step("look around").turn == 1
