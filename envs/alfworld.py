@@ -225,6 +225,14 @@ class AlfWorldEnv(TextEnv):
             raise EnvError(f"the planner found no solution for {task.task_id}")
         return plan
 
+    def searching_expert_actions(self, task: Task, *, max_turns: int | None = None, seed: int = 0):
+        """The searching expert's episode on ``task`` (``envs.alfworld_expert.play_searching_expert``; its own
+        engine, so this environment's episode is untouched). ``max_turns`` None: the expert's default."""
+        from envs.alfworld_expert import DEFAULT_EXPERT_MAX_TURNS, play_searching_expert
+
+        return play_searching_expert(self._game_file(task), seed=seed,
+                                     max_turns=DEFAULT_EXPERT_MAX_TURNS if max_turns is None else max_turns)
+
     # -- episode
     def reset(self, task: Task) -> Observation:
         self._check_open()

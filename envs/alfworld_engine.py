@@ -86,15 +86,16 @@ class AlfredEngine:
     ``ENGINE_LOCK``); PDDL translation is memoised process-wide. Engine failures surface as ``EnvError``.
     """
 
-    def __init__(self, *, expert_plan: bool = False) -> None:
+    def __init__(self, *, expert_plan: bool = False, facts: bool = False) -> None:
         try:
             import textworld
             from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
             from textworld.envs import PddlEnv
         except ImportError as exc:  # pragma: no cover - depends on the installation
             raise ImportError("ALFWorld needs `pip install alfworld==0.4.2 textworld==1.7.0`") from exc
+        # ``facts`` (the true state's predicates) are for scripted experts only, never shown to an agent
         self._infos = textworld.EnvInfos(won=True, admissible_commands=True, policy_commands=expert_plan,
-                                         extras=["gamefile"])
+                                         facts=facts, extras=["gamefile"])
         try:
             with ENGINE_LOCK:
                 self._pddl_env = PddlEnv(self._infos)

@@ -3,6 +3,9 @@
 Owns building one reference per training task (ALFWorld: the walkthrough; ScienceWorld: the gold path,
 shortened while replay still succeeds), validating it by replay under the training environment, and
 the on-disk JSON cache of its observations o_1, o_2^ref, ... from which a rollout reads o_{t+1}^ref.
+The same records serve as supervised demonstrations, of either kind in ``REFERENCE_KINDS``: the environment's
+own solution, or (ALFWorld) the searching expert's episode (``envs.alfworld_expert``) with its invalid
+actions left out.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from envs.checks import normalize_action
 
 REFERENCE_FORMAT_VERSION = 1
 _FILE_SUFFIX = ".ref.json"
+_FAILED_SUFFIX = ".failed.json"     # why a task has no reference (a searching expert that did not win)
 # Which observation fields the App. B.5 checks read from the reference, per benchmark: ALFWorld compares
 # next admissible sets (kept); ScienceWorld compares action-template sets but uses the admissible list
 # (about 1,000 actions a step) only to validate the student's own action, so it is not stored.
@@ -32,6 +36,11 @@ _SHORTEN_BY_DEFAULT = {"alfworld": False, "scienceworld": True}
 # Steps of a ScienceWorld gold path that may be no-ops (observing, waiting); never "focus on".
 DROPPABLE_PREFIXES = ("look around", "look at ", "look in ", "inventory", "examine ", "read ", "wait",
                       "task")
+
+
+REFERENCE_KINDS = ("solution", "searching_expert")
+"""What a reference replays: ``solution`` the environment's own (walkthrough, gold path); ``searching_expert``
+ALFWorld's hand-coded expert, which searches for objects from what it has seen (``envs.alfworld_expert``)."""
 
 
 class ReferenceBuildError(RuntimeError):
@@ -232,8 +241,28 @@ def shorten_actions(env: TextEnv, task: Task, actions: Sequence[str], *,
 # ---------------------------------------------------------------------------------------------- build
 
 
-def candidate_actions(env: TextEnv, task: Task) -> tuple[list[str], str]:
-    """The environment's own solution of ``task``: ALFWorld's walkthrough, ScienceWorld's gold path."""
+def check_kind(kind: str) -> str:
+    if kind not in REFERENCE_KINDS:
+        raise ValueError(f"unknown reference kind {kind!r}; expected one of {REFERENCE_KINDS}")
+    return kind
+
+
+def candidate_actions(env: TextEnv, task: Task, *, kind: str = "solution",
+                      expert_max_turns: int | None = None) -> tuple[list[str], str]:
+    """The actions a reference of ``kind`` replays, and their source's name.
+
+    ``solution``: the environment's own solution of ``task`` (ALFWorld's walkthrough, ScienceWorld's gold
+    path). ``searching_expert``: the expert's episode within ``expert_max_turns`` actions (None: the expert's
+    default; ``env.searching_expert_actions``, ALFWorld only); a game the expert does not win is a
+    ``ReferenceBuildError`` naming why.
+    """
+    if check_kind(kind) == "searching_expert":
+        if not hasattr(env, "searching_expert_actions"):
+            raise ValueError(f"{type(env).__name__} has no searching expert (ALFWorld only)")
+        episode = env.searching_expert_actions(task, max_turns=expert_max_turns)
+        if not episode.won:
+            raise ReferenceBuildError(f"{task.task_id}: the searching expert did not win ({episode.reason})")
+        return list(episode.actions), "searching_expert"
     if hasattr(env, "walkthrough"):
         return list(env.walkthrough(task)), "walkthrough"
     if hasattr(env, "gold_actions"):
@@ -241,7 +270,8 @@ def candidate_actions(env: TextEnv, task: Task) -> tuple[list[str], str]:
     raise ValueError(f"{type(env).__name__} offers no walkthrough or gold path for references")
 
 
-def task_fingerprint(task: Task, *, shorten: bool, max_trials: int | None = None) -> str:
+def task_fingerprint(task: Task, *, shorten: bool, max_trials: int | None = None, kind: str = "solution",
+                     expert_max_turns: int | None = None) -> str:
     """Everything a reference depends on: the task, its game file's bytes, engine versions, options."""
     payload = dict(task.payload)
     game_file = payload.pop("game_file", None)      # the game's bytes count, not where the tree lives
@@ -249,6 +279,8 @@ def task_fingerprint(task: Task, *, shorten: bool, max_trials: int | None = None
                            "benchmark": task.benchmark, "shorten": shorten,
                            "max_trials": max_trials if shorten else None,
                            "payload": json.loads(json.dumps(payload, sort_keys=True, default=str))}
+    if check_kind(kind) != "solution":          # solution references keep the fingerprints they always had
+        key["kind"], key["expert_max_turns"] = kind, expert_max_turns
     if game_file:
         if not os.path.isfile(game_file):
             raise ValueError(f"task {task.task_id}: game file {game_file!r} does not exist")
@@ -258,19 +290,24 @@ def task_fingerprint(task: Task, *, shorten: bool, max_trials: int | None = None
 
 
 def build_reference(env: TextEnv, task: Task, *, shorten: bool | None = None,
-                    droppable: Callable[[str], bool] = is_droppable,
-                    max_trials: int | None = 32) -> ReferenceTrajectory:
-    """Build and validate the reference of one task: its candidate actions (shortened when ``shorten``,
-    by default for ScienceWorld) replayed to success; the replay's observations are the reference's."""
+                    droppable: Callable[[str], bool] = is_droppable, max_trials: int | None = 32,
+                    kind: str = "solution", expert_max_turns: int | None = None) -> ReferenceTrajectory:
+    """Build and validate the reference of one task: its candidate actions of ``kind`` (shortened when
+    ``shorten``, by default for ScienceWorld solutions) replayed to success; the replay's observations are the
+    reference's. A searching expert's actions that the environment refused ("Nothing happens": they change
+    nothing) are left out, and the rest must still win on replay."""
     if shorten is None:
-        shorten = _SHORTEN_BY_DEFAULT.get(task.benchmark, False)
-    candidates, source = candidate_actions(env, task)
+        shorten = _SHORTEN_BY_DEFAULT.get(task.benchmark, False) and kind == "solution"
+    candidates, source = candidate_actions(env, task, kind=kind, expert_max_turns=expert_max_turns)
     if not candidates:
         raise ReferenceBuildError(f"{task.task_id}: the environment gave no {source}")
     if shorten:
         final = shorten_actions(env, task, candidates, droppable=droppable, max_trials=max_trials)
     else:
         final = replay(env, task, candidates)
+        if kind == "searching_expert" and final.invalid_turns:
+            refused = set(final.invalid_turns)
+            final = replay(env, task, [a for t, a in enumerate(final.actions, start=1) if t not in refused])
     if not final.succeeded:
         raise ReferenceBuildError(f"{task.task_id}: replay of the {source} ({len(candidates)} actions) did "
                                   f"not reach success (score {final.observations[-1].score})")
@@ -281,7 +318,8 @@ def build_reference(env: TextEnv, task: Task, *, shorten: bool | None = None,
                                observations=tuple(r.text for r in records), benchmark=task.benchmark,
                                task_type=task.task_type, instruction=final.observations[0].instruction,
                                records=records, source=source, original_length=len(candidates),
-                               fingerprint=task_fingerprint(task, shorten=shorten, max_trials=max_trials))
+                               fingerprint=task_fingerprint(task, shorten=shorten, max_trials=max_trials, kind=kind,
+                                                            expert_max_turns=expert_max_turns))
 
 
 def reference_path(cache_dir: str | os.PathLike, task_id: str) -> Path:
@@ -320,13 +358,31 @@ def load_references(cache_dir: str | os.PathLike, *, benchmark: str | None = Non
     return references
 
 
-def _cached(cache_dir: Path, task: Task, shorten: bool, max_trials: int | None) -> ReferenceTrajectory | None:
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """How ``build_references`` builds each reference (one picklable value for its worker processes)."""
+
+    shorten: bool | None
+    max_trials: int | None
+    kind: str = "solution"
+    expert_max_turns: int | None = None
+
+    def effective_shorten(self, task: Task) -> bool:
+        if self.shorten is not None:
+            return self.shorten
+        return _SHORTEN_BY_DEFAULT.get(task.benchmark, False) and self.kind == "solution"
+
+    def fingerprint(self, task: Task) -> str:
+        return task_fingerprint(task, shorten=self.effective_shorten(task), max_trials=self.max_trials,
+                                kind=self.kind, expert_max_turns=self.expert_max_turns)
+
+
+def _cached(cache_dir: Path, task: Task, options: _Options) -> ReferenceTrajectory | None:
     path = reference_path(cache_dir, task.task_id)
     if not path.is_file():
         return None
     reference = load_reference(path)
-    fingerprint = task_fingerprint(task, shorten=shorten, max_trials=max_trials)
-    return reference if reference.fingerprint == fingerprint else None
+    return reference if reference.fingerprint == options.fingerprint(task) else None
 
 
 _WORKER_ENV: TextEnv | None = None
@@ -338,30 +394,60 @@ def _init_worker(env_factory: Callable[[], TextEnv]) -> None:
     atexit.register(_WORKER_ENV.close)
 
 
-def _build_and_save(env: TextEnv, task: Task, cache_dir: str, shorten: bool | None,
-                    max_trials: int | None) -> tuple[str, str | None]:
+def _failure_path(cache_dir: str | os.PathLike, task_id: str) -> Path:
+    path = reference_path(cache_dir, task_id)
+    return path.with_name(path.name[:-len(_FILE_SUFFIX)] + _FAILED_SUFFIX)
+
+
+def _cached_failure(cache_dir: Path, task: Task, options: _Options) -> str | None:
+    """The reason a reference of these options could not be built, when that was recorded (an engine error is
+    never recorded: it may pass)."""
+    path = _failure_path(cache_dir, task.task_id)
     try:
-        save_reference(cache_dir, build_reference(env, task, shorten=shorten, max_trials=max_trials))
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("fingerprint") != options.fingerprint(task):
+        return None
+    return str(record.get("reason", "failed"))
+
+
+def _build_and_save(env: TextEnv, task: Task, cache_dir: str, options: _Options) -> tuple[str, str | None]:
+    failure = _failure_path(cache_dir, task.task_id)
+    try:
+        save_reference(cache_dir, build_reference(env, task, shorten=options.shorten, max_trials=options.max_trials,
+                                                  kind=options.kind, expert_max_turns=options.expert_max_turns))
+        failure.unlink(missing_ok=True)
         return task.task_id, None
-    except (ReferenceBuildError, EnvError) as exc:
+    except ReferenceBuildError as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        tmp = failure.with_name(f".{failure.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"task_id": task.task_id, "fingerprint": options.fingerprint(task),
+                                   "reason": reason}))
+        tmp.replace(failure)
+        return task.task_id, reason
+    except EnvError as exc:
         return task.task_id, f"{type(exc).__name__}: {exc}"
 
 
-def _worker_build(task: Task, cache_dir: str, shorten: bool | None,
-                  max_trials: int | None) -> tuple[str, str | None]:
-    return _build_and_save(_WORKER_ENV, task, cache_dir, shorten, max_trials)
+def _worker_build(task: Task, cache_dir: str, options: _Options) -> tuple[str, str | None]:
+    return _build_and_save(_WORKER_ENV, task, cache_dir, options)
 
 
 def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], cache_dir: str | os.PathLike,
                      *, shorten: bool | None = None, max_trials: int | None = 32, workers: int = 1,
-                     rebuild: bool = False, progress: bool = False) -> dict[str, ReferenceTrajectory]:
+                     rebuild: bool = False, progress: bool = False, kind: str = "solution",
+                     expert_max_turns: int | None = None, allow_failures: bool = False,
+                     failures: dict[str, str] | None = None) -> dict[str, ReferenceTrajectory]:
     """Build (or reuse from ``cache_dir``) the validated reference of every task.
 
-    ``shorten`` (default: ScienceWorld only) and ``max_trials`` are passed to ``build_reference``. A
-    cached reference is reused when its fingerprint (task, game file bytes, engine versions, options)
-    matches. ``workers > 1`` builds in that many processes, each with its own environment from
-    ``env_factory`` (which must then be picklable, e.g. a class or ``functools.partial``). Raises
-    ``ReferenceBuildError`` naming every task whose reference failed, after saving the others.
+    ``shorten`` (default: ScienceWorld solutions only), ``max_trials``, ``kind`` and ``expert_max_turns`` are
+    passed to ``build_reference``. A cached reference is reused when its fingerprint (task, game file bytes,
+    engine versions, options) matches. ``workers > 1`` builds in that many processes, each with its own
+    environment from ``env_factory`` (which must then be picklable, e.g. a class or ``functools.partial``).
+    Raises ``ReferenceBuildError`` naming every task whose reference failed, after saving the others; with
+    ``allow_failures`` (a searching expert does not win every game) those tasks are left out of the result
+    instead, and ``failures``, when given, receives each one's reason by task id.
     """
     tasks = list(tasks)
     if not tasks:
@@ -373,10 +459,9 @@ def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], 
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
 
-    def effective_shorten(task: Task) -> bool:
-        return _SHORTEN_BY_DEFAULT.get(task.benchmark, False) if shorten is None else shorten
-
-    todo = [t for t in tasks if rebuild or _cached(cache_dir, t, effective_shorten(t), max_trials) is None]
+    options = _Options(shorten, max_trials, check_kind(kind), expert_max_turns)
+    todo = [t for t in tasks if rebuild or (_cached(cache_dir, t, options) is None
+                                            and _cached_failure(cache_dir, t, options) is None)]
     errors: list[tuple[str, str]] = []
     if todo:
         bar = None
@@ -388,7 +473,7 @@ def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], 
             env = env_factory()
             try:
                 for task in todo:
-                    errors.append(_build_and_save(env, task, str(cache_dir), shorten, max_trials))
+                    errors.append(_build_and_save(env, task, str(cache_dir), options))
                     if bar is not None:
                         bar.update(1)
             finally:
@@ -401,8 +486,7 @@ def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], 
             context = multiprocessing.get_context("spawn")   # fork is unsafe under JAX and JVM threads
             with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
                                                         initargs=(env_factory,)) as pool:
-                futures = [pool.submit(_worker_build, task, str(cache_dir), shorten, max_trials)
-                           for task in todo]
+                futures = [pool.submit(_worker_build, task, str(cache_dir), options) for task in todo]
                 for future in concurrent.futures.as_completed(futures):
                     errors.append(future.result())
                     if bar is not None:
@@ -410,12 +494,20 @@ def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], 
         if bar is not None:
             bar.close()
     errors = [(task_id, error) for task_id, error in errors if error is not None]
-    if errors:
+    known = {task_id for task_id, _ in errors}
+    errors += [(t.task_id, reason) for t in tasks if t.task_id not in known
+               and (reason := _cached_failure(cache_dir, t, options)) is not None]
+    if errors and not allow_failures:
         raise ReferenceBuildError(f"{len(errors)} of {len(tasks)} references failed: "
                                   + "; ".join(f"{task_id}: {error}" for task_id, error in sorted(errors)))
+    if failures is not None:
+        failures.update(errors)
+    failed = {task_id for task_id, _ in errors}
     references = {}
     for task in tasks:
-        reference = _cached(cache_dir, task, effective_shorten(task), max_trials)
+        if task.task_id in failed:
+            continue
+        reference = _cached(cache_dir, task, options)
         if reference is None:
             raise ReferenceBuildError(f"{task.task_id}: reference missing from {str(cache_dir)!r} after building")
         references[task.task_id] = reference

@@ -28,14 +28,15 @@ from typing import Any, Sequence
 from jaxopd import cli
 from jaxopd.cli import UsageError
 from jaxopd.methods.benchmarks import BenchmarkError, GeneratedCounts, resolve_source, subset
-from jaxopd.methods.config import METHODS, PRESETS, RunConfig, build_config
+from jaxopd.methods.config import METHODS, PRESETS, SFT_DEMONSTRATIONS, RunConfig, build_config
 
 FLAG_FIELDS = ("benchmark", "games", "student", "teacher", "student_model_preset", "teacher_model_preset", "updates",
                "batch_size", "rollout_slots", "rollout_mode", "collection_tasks", "train_tasks", "checkpoint_every",
                "seed",
                "learning_rate", "loss", "max_turns", "max_prompt_tokens", "max_train_tokens", "first_stage_tokens",
                "total_tokens", "second_stage_tokens", "fast_action_tokens", "temperature", "eval_split",
-               "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "max_supervised_tokens")
+               "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "sft_demonstrations",
+               "max_supervised_tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--updates", type=int, default=None, help="optimizer updates (distillation)")
     p.add_argument("--steps", type=int, default=None, help="SFT steps (default: --sft-epochs over the data)")
     p.add_argument("--sft-epochs", type=float, default=None)
+    p.add_argument("--sft-demonstrations", default=None, choices=SFT_DEMONSTRATIONS,
+                   help="what SFT imitates: the planner's walkthroughs (default) or ALFWorld's searching expert, "
+                        "which looks for objects from what it has seen (its won episodes only)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--rollout-slots", type=int, default=None)
     p.add_argument("--rollout-mode", default=None, choices=("async", "sync"),
@@ -261,14 +265,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: Any, tokenizer: Any, out: Path,
             progress: bool) -> dict[str, Any]:
-    """Supervised fine-tuning on the walkthroughs of the training games, evaluated like a distilled student."""
+    """Supervised fine-tuning on demonstrations of the training games (``--sft-demonstrations``: walkthroughs or the
+    searching expert's won episodes), evaluated like a distilled student."""
     from jaxopd.methods.benchmarks import TRAIN_SPLIT, references_for
     from jaxopd.methods.sft import sft_steps, train_sft
-    from jaxopd.methods.sft_data import walkthrough_samples
+    from jaxopd.methods.sft_data import reference_kind, walkthrough_samples
     from jaxopd.sampler.engine import Engine, EngineConfig
 
     tasks = subset(source.tasks(TRAIN_SPLIT[config.benchmark]), config.train_tasks, seed=config.seed)
-    references = references_for(source, tasks, workers=min(4, os.cpu_count() or 1), progress=progress)
+    kind = reference_kind(config.sft_demonstrations)
+    failures: dict[str, str] = {}
+    references = references_for(source, tasks, workers=min(4, os.cpu_count() or 1), progress=progress, kind=kind,
+                                expert_max_turns=config.max_turns if kind == "searching_expert" else None,
+                                failures=failures)
+    if not references:
+        raise UsageError(f"no {config.sft_demonstrations} demonstration of the {len(tasks)} training games "
+                         f"succeeded (first reason: {next(iter(failures.values()), '?')})")
+    if failures:
+        print(f"SFT demonstrations: the {config.sft_demonstrations} won {len(references)} of {len(tasks)} "
+              f"training games within {config.max_turns} turns; the other {len(failures)} are left out", flush=True)
     samples, stats = walkthrough_samples(references, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
                                          benchmark=config.benchmark)
     steps = args.steps or sft_steps(len(samples), config.batch_size, config.sft_epochs)
@@ -293,7 +308,9 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
                       max_grad_norm=config.max_grad_norm, seed=config.seed, max_train_tokens=config.max_train_tokens,
                       max_supervised_tokens=supervised, checkpoint_every=config.checkpoint_every,
                       eval_every=config.eval_every, evaluate=evaluate, progress=progress)
-    summary: dict[str, Any] = {"steps": steps, "samples": len(samples), "data": stats.as_dict()}
+    summary: dict[str, Any] = {"steps": steps, "samples": len(samples), "data": stats.as_dict(),
+                               "demonstrations": {"kind": config.sft_demonstrations, "games": len(tasks),
+                                                  "demonstrated": len(references), "failed": failures}}
     if args.export:
         from jaxopd.models.weights import save_qwen3
         save_qwen3(model, args.export)

@@ -220,6 +220,89 @@ def test_alfworld_reference_cache_is_reused_and_invalidated(alfworld_references,
         refs.build_references(functools.partial(AlfWorldEnv, copy_root), [task], copied_cache)
 
 
+# ------------------------------------------------------------------------------- the searching expert
+
+
+def test_searching_expert_searches_from_what_it_sees_and_wins(small_games_root):
+    """ALFWorld's hand-coded expert, with the engine of alfworld 0.4: it wins all six task types within 30 turns
+    (the two-object task only with the ``move`` bookkeeping fix), the same seed gives the same episode, and it
+    opens by visiting receptacles named in the room's description (it does not know where the object lies)."""
+    from envs.alfworld import AlfWorldEnv
+    from envs.alfworld_expert import play_searching_expert
+
+    with AlfWorldEnv(small_games_root) as env:
+        for task in env.tasks("train"):
+            episode = env.searching_expert_actions(task)
+            assert episode.won and episode.reason == "", (task.task_type, episode)
+            assert play_searching_expert(task.payload["game_file"]) == episode
+            first = env.reset(task)
+            targets = [a[len("go to "):] for a in episode.actions if a.startswith("go to ")]
+            assert targets and all(f"{t}," in first.text or f"{t}." in first.text for t in targets)
+            replayed = refs.replay(env, task, episode.actions)
+            assert replayed.succeeded and len(replayed.actions) == len(episode.actions)
+            if task.task_type == "pick_two_obj_and_place":
+                assert len(episode.actions) > len(env.walkthrough(task))     # it searched
+                short = env.searching_expert_actions(task, max_turns=20)
+                assert not short.won and short.reason == "not won within 20 turns" and len(short.actions) == 20
+    with pytest.raises(ValueError, match="max_turns"):
+        play_searching_expert(task.payload["game_file"], max_turns=0)
+    with pytest.raises(ValueError, match="does not exist"):
+        play_searching_expert(small_games_root / "nope.tw-pddl")
+
+
+def test_searching_expert_references_leave_out_unwon_games_and_cache_why(small_games_root, tmp_path, monkeypatch):
+    from envs import alfworld_expert
+    from envs.alfworld import AlfWorldEnv
+
+    with AlfWorldEnv(small_games_root) as env:
+        tasks = env.tasks("train")
+    factory = functools.partial(AlfWorldEnv, small_games_root)
+    with pytest.raises(refs.ReferenceBuildError, match="1 of 6 references failed: .*pick_two.*searching expert did "
+                                                      "not win \\(not won within 20 turns\\)"):
+        refs.build_references(factory, tasks, tmp_path, kind="searching_expert", expert_max_turns=20)
+    failures = {}
+    built = refs.build_references(factory, tasks, tmp_path, kind="searching_expert", expert_max_turns=20,
+                                  allow_failures=True, failures=failures)
+    (two,) = [t for t in tasks if t.task_type == "pick_two_obj_and_place"]
+    assert list(failures) == [two.task_id] and "not won within 20 turns" in failures[two.task_id]
+    assert set(built) == {t.task_id for t in tasks} - {two.task_id}
+    with AlfWorldEnv(small_games_root) as env:
+        for task in tasks:
+            if task.task_id in built:
+                ref = built[task.task_id]
+                assert ref.source == "searching_expert" and ref.records[-1].won
+                assert ref.actions == env.searching_expert_actions(task, max_turns=20).actions
+                assert refs.replay(env, task, ref.actions).invalid_turns == ()
+    # everything, the failure included, now comes from the cache: the expert is not played again
+    monkeypatch.setattr(alfworld_expert, "play_searching_expert",
+                        lambda *a, **k: pytest.fail("the expert was played again"))
+    again = {}
+    assert refs.build_references(factory, tasks, tmp_path, kind="searching_expert", expert_max_turns=20,
+                                 allow_failures=True, failures=again) == built
+    assert again == failures
+    # another turn limit or kind is another fingerprint: solution references are unchanged by the kind option
+    assert (refs.task_fingerprint(two, shorten=False, kind="searching_expert", expert_max_turns=20)
+            != refs.task_fingerprint(two, shorten=False, kind="searching_expert", expert_max_turns=30))
+    assert refs.task_fingerprint(two, shorten=False) == refs.task_fingerprint(two, shorten=False, kind="solution")
+    with pytest.raises(ValueError, match="unknown reference kind 'oracle'"):
+        refs.build_references(factory, tasks, tmp_path, kind="oracle")
+
+
+def test_an_expert_action_the_engine_refuses_is_left_out_of_the_reference():
+    """The shipped expert sometimes goes to a receptacle it cannot reach ("Nothing happens"); the demonstration
+    leaves such a no-op out, and what is left must still win."""
+
+    class ExpertToy(ToyEnv):
+        def searching_expert_actions(self, task, *, max_turns=None):
+            from envs.alfworld_expert import ExpertEpisode
+            return ExpertEpisode(("focus on x", "open door", "take x", "put x"), True)
+
+    ref = refs.build_reference(ExpertToy(["unused"]), Task("toy", "train", "t", "toy"), kind="searching_expert")
+    assert ref.actions == ("focus on x", "take x", "put x") and ref.source == "searching_expert"
+    with pytest.raises(ValueError, match="has no searching expert"):
+        refs.build_reference(ToyEnv(["focus on x"]), Task("toy", "train", "t", "toy"), kind="searching_expert")
+
+
 # ------------------------------------------------------------------------------------------ ScienceWorld
 
 

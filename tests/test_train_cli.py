@@ -72,3 +72,10 @@ def test_teacher_vocabulary_differs(tmp_path, official_data):
 
 def test_invalid_number(tmp_path):
     assert_one_line(run_cli("--method", "sti", "--updates", "0", "--out", str(tmp_path)), "updates")
+
+
+def test_sft_demonstrations(tmp_path):
+    assert_one_line(run_cli("--method", "sft", "--sft-demonstrations", "oracle", "--out", str(tmp_path)),
+                    "--sft-demonstrations", "oracle")
+    assert_one_line(run_cli("--method", "sft", "--benchmark", "scienceworld", "--sft-demonstrations",
+                            "searching-expert", "--out", str(tmp_path)), "searching expert plays ALFWorld only")

@@ -67,13 +67,14 @@ class BenchmarkSource:
         finally:
             env.close()
 
-    @property
-    def reference_cache(self) -> Path:
-        """Where this source's references are cached (beside the generated games, or under the jaxopd cache)."""
+    def reference_cache_of(self, kind: str) -> Path:
+        """Where this source's references of ``kind`` (``envs.references.REFERENCE_KINDS``) are cached: beside
+        the generated games, or under the jaxopd cache."""
+        prefix = "references" if kind == "solution" else f"{kind.replace('_', '-')}-references"
         if self.root is not None and self.games == "generated":
-            return self.root.parent / f"references-{self.root.name}"
+            return self.root.parent / f"{prefix}-{self.root.name}"
         base = Path(os.environ.get("JAXOPD_CACHE", Path.home() / ".cache" / "jaxopd")).expanduser()
-        return base / "references" / self.benchmark
+        return base / prefix / self.benchmark
 
 
 def resolve_source(benchmark: str, games: str = "auto", *, counts: GeneratedCounts = GeneratedCounts(),
@@ -116,11 +117,17 @@ def subset(tasks: Sequence[Task], limit: int | None, *, seed: int = 0) -> list[T
     return [tasks[i] for i in sorted(chosen)]
 
 
-def references_for(source: BenchmarkSource, tasks: Sequence[Task], *, workers: int = 1,
-                   progress: bool = True) -> Mapping[str, Any]:
-    """The validated reference of every task (``envs.references.build_references``, cached)."""
+def references_for(source: BenchmarkSource, tasks: Sequence[Task], *, workers: int = 1, progress: bool = True,
+                   kind: str = "solution", expert_max_turns: int | None = None,
+                   failures: dict[str, str] | None = None) -> Mapping[str, Any]:
+    """The validated reference of every task (``envs.references.build_references``, cached).
+
+    ``kind="searching_expert"``: the expert's won episodes only; the tasks it did not win are left out and, when
+    ``failures`` is given, listed there with the reason."""
     from envs.references import build_references
-    return build_references(source.env_factory, tasks, source.reference_cache, workers=workers, progress=progress)
+    return build_references(source.env_factory, tasks, source.reference_cache_of(kind), workers=workers,
+                            progress=progress, kind=kind, expert_max_turns=expert_max_turns,
+                            allow_failures=kind == "searching_expert", failures=failures)
 
 
 __all__ = ["BENCHMARKS", "GAME_SOURCES", "TRAIN_SPLIT", "EVAL_SPLITS", "BenchmarkError", "GeneratedCounts",

@@ -18,6 +18,9 @@ METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallbac
            "actfirst-prefix-replay-100", "sti", "actionopd", "sft")
 PRESETS = ("cpu", "gpu", "paper")
 ROLLOUT_MODES = ("async", "sync")
+SFT_DEMONSTRATIONS = ("walkthrough", "searching-expert")
+"""What SFT imitates: the planner's walkthrough (it knows where everything lies), or ALFWorld's searching expert
+(``envs.alfworld_expert``: it looks for objects from what it has seen, as an agent on an unseen game must)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +96,9 @@ class RunConfig:
     eval_seeds: tuple[int, ...] = (42, 43, 44)
     eval_greedy: bool = False
     eval_temperature: float = 0.4            # ActFirst-OPD App. C: evaluation samples at 0.4
-    # SFT (the teacher on walkthroughs): epochs over the walkthrough turns
+    # SFT (the teacher): epochs over the demonstration turns, and which demonstrations (SFT_DEMONSTRATIONS)
     sft_epochs: float = 3.0
+    sft_demonstrations: str = "walkthrough"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -105,6 +109,12 @@ class RunConfig:
             raise ValueError(f"unknown preset {self.preset!r}; expected one of {PRESETS}")
         if self.rollout_mode not in ROLLOUT_MODES:
             raise ValueError(f"unknown rollout mode {self.rollout_mode!r}; expected one of {ROLLOUT_MODES}")
+        if self.sft_demonstrations not in SFT_DEMONSTRATIONS:
+            raise ValueError(f"unknown SFT demonstrations {self.sft_demonstrations!r}; expected one of "
+                             f"{SFT_DEMONSTRATIONS}")
+        if self.sft_demonstrations == "searching-expert" and self.benchmark != "alfworld":
+            raise ValueError("the searching expert plays ALFWorld only; ScienceWorld SFT uses walkthrough (gold "
+                             "path) demonstrations")
         if self.games not in GAME_SOURCES:
             raise ValueError(f"unknown game source {self.games!r}; expected one of {GAME_SOURCES}")
         positive = ("updates", "batch_size", "rollout_slots", "collection_tasks", "checkpoint_every",
@@ -218,4 +228,5 @@ def build_config(method: str, *, preset: str = "paper", **overrides: Any) -> Run
     return RunConfig(method=method, preset=preset, **values)
 
 
-__all__ = ["METHODS", "PRESETS", "ROLLOUT_MODES", "RunConfig", "METHOD_DEFAULTS", "PRESET_OVERRIDES", "build_config"]
+__all__ = ["METHODS", "PRESETS", "ROLLOUT_MODES", "SFT_DEMONSTRATIONS", "RunConfig", "METHOD_DEFAULTS",
+           "PRESET_OVERRIDES", "build_config"]
