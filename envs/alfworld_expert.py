@@ -15,15 +15,23 @@ learns that a ``move`` put the object down (without this, a two-object task neve
 action is replaced by a seeded choice of the admissible commands as the shipped ``HandCodedTWAgent`` does.
 ``ExpertEpisode`` is what it returns. Turning an episode into a reference trajectory (validated by replay on
 ``AlfWorldEnv``) is ``envs.references``'s job.
+
+``python -m envs.alfworld_expert --split valid_unseen --max-turns 30`` plays the expert on every game of a split
+and prints its success rate and length per task type (JSON with ``--out``): the ceiling of a policy that imitates it.
 """
 from __future__ import annotations
 
+import argparse
+import collections
 import dataclasses
 import json
 import os
 import random
+import sys
 import threading
+import time
 from pathlib import Path
+from typing import Sequence
 
 from envs.alfworld_engine import TRAJ_FILE, AlfredEngine
 from envs.base import EnvError, require_int
@@ -68,7 +76,8 @@ def play_searching_expert(game_file: str | os.PathLike, *, max_turns: int = DEFA
     """Play the searching expert on ``game_file`` for at most ``max_turns`` actions.
 
     The same game and seed give the same actions. A game the expert does not win in time comes back with
-    ``won=False`` and the reason (turn limit, or the expert gave up); an engine failure raises ``EnvError``.
+    ``won=False`` and the reason (turn limit, the expert gave up, or an exception inside the shipped expert's
+    code); an engine failure raises ``EnvError``.
     """
     max_turns = require_int(max_turns, "max_turns", minimum=1)
     seed = require_int(seed, "seed")
@@ -101,6 +110,10 @@ def play_searching_expert(game_file: str | os.PathLike, *, max_turns: int = DEFA
                         action = policy.act(state, _bookkeeping_action(last))
                     except (shipped.HandCodedAgentFailed, shipped.HandCodedAgentTimeout) as exc:
                         return ExpertEpisode(tuple(actions), False, f"the expert gave up ({type(exc).__name__})")
+                    except Exception as exc:  # noqa: BLE001 - the shipped expert's own faults (e.g. an empty
+                        # random.choice when the object it saw was taken): that episode is lost, not the caller
+                        return ExpertEpisode(tuple(actions), False,
+                                             f"the expert failed: {type(exc).__name__}: {exc}")
                     admissible = list(state["admissible_commands"])
                     if action == last or (last == "look" and action not in admissible):
                         action = rng.choice(admissible)
@@ -115,3 +128,62 @@ def play_searching_expert(game_file: str | os.PathLike, *, max_turns: int = DEFA
     finally:
         engine.close()
     return ExpertEpisode(tuple(actions), False, f"not won within {max_turns} turns")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m envs.alfworld_expert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--games-root", default=None, help="an ALFWorld tree (default: as AlfWorldEnv chooses)")
+    parser.add_argument("--split", default="valid_unseen")
+    parser.add_argument("--max-turns", type=int, default=DEFAULT_EXPERT_MAX_TURNS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the per-game results and the table as JSON here")
+    args = parser.parse_args(argv)
+    if args.max_turns < 1:
+        parser.error(f"--max-turns must be at least 1, got {args.max_turns}")
+    from envs.alfworld import AlfWorldEnv
+
+    start = time.perf_counter()
+    with AlfWorldEnv(args.games_root) as env:
+        try:
+            tasks = env.tasks(args.split)
+        except ValueError as exc:
+            parser.error(str(exc))
+        games = []
+        for task in tasks:
+            episode = env.searching_expert_actions(task, max_turns=args.max_turns, seed=args.seed)
+            games.append({"task_id": task.task_id, "task_type": task.task_type, "won": episode.won,
+                          "turns": len(episode.actions), "walkthrough_turns": len(env.walkthrough(task)),
+                          "reason": episode.reason})
+        source = f"{env.source} games under {env.game_root}"
+    by_type = collections.defaultdict(list)
+    for game in games:
+        by_type[game["task_type"]].append(game)
+    rows = []
+    for task_type, group in sorted(by_type.items()) + [("all", games)]:
+        won = [g for g in group if g["won"]]
+        rows.append({"task_type": task_type, "games": len(group), "won": len(won),
+                     "success_rate": len(won) / len(group),
+                     "mean_turns_won": sum(g["turns"] for g in won) / len(won) if won else None,
+                     "mean_walkthrough_turns": sum(g["walkthrough_turns"] for g in group) / len(group)})
+    table = (f"Searching expert on {args.split} ({source}), at most {args.max_turns} turns, seed {args.seed}\n\n"
+             "| task type | games | won | success | turns (won games) | walkthrough turns |\n"
+             "|---|---:|---:|---:|---:|---:|\n")
+    for row in rows:
+        turns = "—" if row["mean_turns_won"] is None else f"{row['mean_turns_won']:.1f}"
+        table += (f"| {row['task_type']} | {row['games']} | {row['won']} | {100 * row['success_rate']:.1f} % "
+                  f"| {turns} | {row['mean_walkthrough_turns']:.1f} |\n")
+    print(table)
+    print(f"{len(games)} games in {time.perf_counter() - start:.0f} s")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        command = "python -m envs.alfworld_expert " + " ".join(sys.argv[1:] if argv is None else argv)
+        out.write_text(json.dumps({"command": command, "split": args.split, "max_turns": args.max_turns,
+                                   "seed": args.seed, "source": source, "rows": rows, "games": games}, indent=2)
+                       + "\n")
+        out.with_suffix(".md").write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -109,10 +109,7 @@ def check_paths(config: RunConfig, args: argparse.Namespace) -> Path:
                                   student=f"--student {config.student!r}", teacher=f"--teacher {config.teacher!r}")
     out = cli.check_out_dir("--out", args.out)
     if args.export:
-        try:
-            Path(args.export).parent.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise UsageError(f"--export {args.export!r} cannot be created: {error.strerror or error}") from None
+        cli.check_out_dir("--export", args.export)
     return out
 
 

@@ -223,7 +223,7 @@ def test_alfworld_reference_cache_is_reused_and_invalidated(alfworld_references,
 # ------------------------------------------------------------------------------- the searching expert
 
 
-def test_searching_expert_searches_from_what_it_sees_and_wins(small_games_root):
+def test_searching_expert_searches_from_what_it_sees_and_wins(small_games_root, monkeypatch):
     """ALFWorld's hand-coded expert, with the engine of alfworld 0.4: it wins all six task types within 30 turns
     (the two-object task only with the ``move`` bookkeeping fix), the same seed gives the same episode, and it
     opens by visiting receptacles named in the room's description (it does not know where the object lies)."""
@@ -246,6 +246,15 @@ def test_searching_expert_searches_from_what_it_sees_and_wins(small_games_root):
                 assert not short.won and short.reason == "not won within 20 turns" and len(short.actions) == 20
     with pytest.raises(ValueError, match="max_turns"):
         play_searching_expert(task.payload["game_file"], max_turns=0)
+    # a fault inside the shipped expert's code loses that episode, with its reason, and raises nothing
+    from alfworld.agents.expert import handcoded_expert
+
+    def broken(self, game_state, last_action):
+        raise IndexError("Cannot choose from an empty sequence")
+    monkeypatch.setattr(handcoded_expert.BasePolicy, "act", broken)
+    failed = play_searching_expert(task.payload["game_file"])
+    assert not failed.won and failed.actions == ()
+    assert failed.reason == "the expert failed: IndexError: Cannot choose from an empty sequence"
     with pytest.raises(ValueError, match="does not exist"):
         play_searching_expert(small_games_root / "nope.tw-pddl")
 

@@ -54,6 +54,8 @@ def test_unwritable_out(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert_one_line(run_cli("--method", "vanilla-opd", "--out", str(blocker / "run")), "--out", "not writable")
+    assert_one_line(run_cli("--method", "sft", "--out", str(tmp_path / "run"), "--export", str(blocker / "hf")),
+                    "--export", "not writable")
 
 
 def test_alfworld_data_pointing_at_nothing(tmp_path):
