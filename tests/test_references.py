@@ -297,6 +297,20 @@ def test_searching_expert_references_leave_out_unwon_games_and_cache_why(small_g
         refs.build_references(factory, tasks, tmp_path, kind="oracle")
 
 
+def test_searching_expert_report(small_games_root, tmp_path, capsys):
+    from envs import alfworld_expert
+
+    out = tmp_path / "expert.json"
+    assert alfworld_expert.main(["--games-root", str(small_games_root), "--split", "train", "--max-turns", "20",
+                                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {row["task_type"]: row for row in result["rows"]}
+    assert rows["all"]["games"] == 6 and rows["all"]["won"] == 5           # the two-object game needs 28 turns
+    assert rows["pick_two_obj_and_place"]["won"] == 0 and rows["pick_two_obj_and_place"]["mean_turns_won"] is None
+    assert [g["reason"] for g in result["games"] if not g["won"]] == ["not won within 20 turns"]
+    assert "| all | 6 | 5 | 83.3 % |" in capsys.readouterr().out and out.with_suffix(".md").is_file()
+
+
 def test_an_expert_action_the_engine_refuses_is_left_out_of_the_reference():
     """The shipped expert sometimes goes to a receptacle it cannot reach ("Nothing happens"); the demonstration
     leaves such a no-op out, and what is left must still win."""
