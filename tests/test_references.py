@@ -298,10 +298,10 @@ def test_searching_expert_references_leave_out_unwon_games_and_cache_why(small_g
 
 
 def test_searching_expert_report(small_games_root, tmp_path, capsys):
-    from envs import alfworld_expert
+    from envs import alfworld_expert_report
 
     out = tmp_path / "expert.json"
-    assert alfworld_expert.main(["--games-root", str(small_games_root), "--split", "train", "--max-turns", "20",
+    assert alfworld_expert_report.main(["--games-root", str(small_games_root), "--split", "train", "--max-turns", "20",
                                  "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = {row["task_type"]: row for row in result["rows"]}
