@@ -289,6 +289,11 @@ def task_fingerprint(task: Task, *, shorten: bool, max_trials: int | None = None
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
+def _shortens_by_default(task: Task, kind: str) -> bool:
+    """ScienceWorld's gold paths are shortened unless told otherwise; nothing else is."""
+    return _SHORTEN_BY_DEFAULT.get(task.benchmark, False) and kind == "solution"
+
+
 def build_reference(env: TextEnv, task: Task, *, shorten: bool | None = None,
                     droppable: Callable[[str], bool] = is_droppable, max_trials: int | None = 32,
                     kind: str = "solution", expert_max_turns: int | None = None) -> ReferenceTrajectory:
@@ -297,7 +302,7 @@ def build_reference(env: TextEnv, task: Task, *, shorten: bool | None = None,
     reference's. A searching expert's actions that the environment refused ("Nothing happens": they change
     nothing) are left out, and the rest must still win on replay."""
     if shorten is None:
-        shorten = _SHORTEN_BY_DEFAULT.get(task.benchmark, False) and kind == "solution"
+        shorten = _shortens_by_default(task, kind)
     candidates, source = candidate_actions(env, task, kind=kind, expert_max_turns=expert_max_turns)
     if not candidates:
         raise ReferenceBuildError(f"{task.task_id}: the environment gave no {source}")
@@ -367,22 +372,18 @@ class _Options:
     kind: str = "solution"
     expert_max_turns: int | None = None
 
-    def effective_shorten(self, task: Task) -> bool:
-        if self.shorten is not None:
-            return self.shorten
-        return _SHORTEN_BY_DEFAULT.get(task.benchmark, False) and self.kind == "solution"
-
     def fingerprint(self, task: Task) -> str:
-        return task_fingerprint(task, shorten=self.effective_shorten(task), max_trials=self.max_trials,
-                                kind=self.kind, expert_max_turns=self.expert_max_turns)
+        shorten = _shortens_by_default(task, self.kind) if self.shorten is None else self.shorten
+        return task_fingerprint(task, shorten=shorten, max_trials=self.max_trials, kind=self.kind,
+                                expert_max_turns=self.expert_max_turns)
 
 
-def _cached(cache_dir: Path, task: Task, options: _Options) -> ReferenceTrajectory | None:
-    path = reference_path(cache_dir, task.task_id)
+def _cached(cache_dir: Path, task_id: str, fingerprint: str) -> ReferenceTrajectory | None:
+    path = reference_path(cache_dir, task_id)
     if not path.is_file():
         return None
     reference = load_reference(path)
-    return reference if reference.fingerprint == options.fingerprint(task) else None
+    return reference if reference.fingerprint == fingerprint else None
 
 
 _WORKER_ENV: TextEnv | None = None
@@ -399,15 +400,15 @@ def _failure_path(cache_dir: str | os.PathLike, task_id: str) -> Path:
     return path.with_name(path.name[:-len(_FILE_SUFFIX)] + _FAILED_SUFFIX)
 
 
-def _cached_failure(cache_dir: Path, task: Task, options: _Options) -> str | None:
-    """The reason a reference of these options could not be built, when that was recorded (an engine error is
-    never recorded: it may pass)."""
-    path = _failure_path(cache_dir, task.task_id)
+def _cached_failure(cache_dir: Path, task_id: str, fingerprint: str) -> str | None:
+    """The reason a reference with this fingerprint could not be built, when that was recorded (an engine error
+    is never recorded: it may pass)."""
+    path = _failure_path(cache_dir, task_id)
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or record.get("fingerprint") != options.fingerprint(task):
+    if not isinstance(record, dict) or record.get("fingerprint") != fingerprint:
         return None
     return str(record.get("reason", "failed"))
 
@@ -460,9 +461,18 @@ def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], 
     cache_dir.mkdir(parents=True, exist_ok=True)
 
     options = _Options(shorten, max_trials, check_kind(kind), expert_max_turns)
-    todo = [t for t in tasks if rebuild or (_cached(cache_dir, t, options) is None
-                                            and _cached_failure(cache_dir, t, options) is None)]
-    errors: list[tuple[str, str]] = []
+    fingerprints = {t.task_id: options.fingerprint(t) for t in tasks}   # each hashes the task's game file
+    todo: list[Task] = []
+    errors: list[tuple[str, str | None]] = []          # (task id, why it has no reference, or None)
+    for task in tasks:
+        if rebuild:
+            todo.append(task)
+        elif _cached(cache_dir, task.task_id, fingerprints[task.task_id]) is None:
+            reason = _cached_failure(cache_dir, task.task_id, fingerprints[task.task_id])
+            if reason is None:
+                todo.append(task)
+            else:
+                errors.append((task.task_id, reason))
     if todo:
         bar = None
         if progress:
@@ -494,9 +504,6 @@ def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], 
         if bar is not None:
             bar.close()
     errors = [(task_id, error) for task_id, error in errors if error is not None]
-    known = {task_id for task_id, _ in errors}
-    errors += [(t.task_id, reason) for t in tasks if t.task_id not in known
-               and (reason := _cached_failure(cache_dir, t, options)) is not None]
     if errors and not allow_failures:
         raise ReferenceBuildError(f"{len(errors)} of {len(tasks)} references failed: "
                                   + "; ".join(f"{task_id}: {error}" for task_id, error in sorted(errors)))
@@ -507,7 +514,7 @@ def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], 
     for task in tasks:
         if task.task_id in failed:
             continue
-        reference = _cached(cache_dir, task, options)
+        reference = _cached(cache_dir, task.task_id, fingerprints[task.task_id])
         if reference is None:
             raise ReferenceBuildError(f"{task.task_id}: reference missing from {str(cache_dir)!r} after building")
         references[task.task_id] = reference

@@ -266,11 +266,11 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
     searching expert's won episodes), evaluated like a distilled student."""
     from jaxopd.methods.benchmarks import TRAIN_SPLIT, references_for
     from jaxopd.methods.sft import sft_steps, train_sft
-    from jaxopd.methods.sft_data import reference_kind, walkthrough_samples
+    from jaxopd.methods.sft_data import walkthrough_samples
     from jaxopd.sampler.engine import Engine, EngineConfig
 
     tasks = subset(source.tasks(TRAIN_SPLIT[config.benchmark]), config.train_tasks, seed=config.seed)
-    kind = reference_kind(config.sft_demonstrations)
+    kind = SFT_DEMONSTRATIONS[config.sft_demonstrations]
     failures: dict[str, str] = {}
     references = references_for(source, tasks, workers=min(4, os.cpu_count() or 1), progress=progress, kind=kind,
                                 expert_max_turns=config.max_turns if kind == "searching_expert" else None,

@@ -18,9 +18,10 @@ METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallbac
            "actfirst-prefix-replay-100", "sti", "actionopd", "sft")
 PRESETS = ("cpu", "gpu", "paper")
 ROLLOUT_MODES = ("async", "sync")
-SFT_DEMONSTRATIONS = ("walkthrough", "searching-expert")
-"""What SFT imitates: the planner's walkthrough (it knows where everything lies), or ALFWorld's searching expert
-(``envs.alfworld_expert``: it looks for objects from what it has seen, as an agent on an unseen game must)."""
+SFT_DEMONSTRATIONS = {"walkthrough": "solution", "searching-expert": "searching_expert"}
+"""What SFT imitates, each with the ``envs.references`` kind of its references: the planner's walkthrough (it knows
+where everything lies; ScienceWorld's gold path), or ALFWorld's searching expert (``envs.alfworld_expert``: it looks
+for objects from what it has seen, as an agent on an unseen game must)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,7 @@ class RunConfig:
             raise ValueError(f"unknown rollout mode {self.rollout_mode!r}; expected one of {ROLLOUT_MODES}")
         if self.sft_demonstrations not in SFT_DEMONSTRATIONS:
             raise ValueError(f"unknown SFT demonstrations {self.sft_demonstrations!r}; expected one of "
-                             f"{SFT_DEMONSTRATIONS}")
+                             f"{tuple(SFT_DEMONSTRATIONS)}")
         if self.sft_demonstrations == "searching-expert" and self.benchmark != "alfworld":
             raise ValueError("the searching expert plays ALFWorld only; ScienceWorld SFT uses walkthrough (gold "
                              "path) demonstrations")

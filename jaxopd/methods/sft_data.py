@@ -1,7 +1,7 @@
 """Supervised fine-tuning data: demonstrations as turn-level training samples for a teacher.
 
 A demonstration is a validated ``envs.references.ReferenceTrajectory``: the planner's walkthrough, or ALFWorld's
-searching expert's won episode (``reference_kind`` maps ``RunConfig.sft_demonstrations`` to the reference kind).
+searching expert's won episode (``config.SFT_DEMONSTRATIONS`` maps ``RunConfig.sft_demonstrations`` to the kind).
 The functions below say "walkthrough" for either.
 
 Owns the teacher's target answer for one turn (:func:`response_text`: Qwen3's empty thinking block and the
@@ -28,19 +28,8 @@ from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, render_prompt
 from jaxopd.rollout.tags import ACTION_END, ACTION_START, THINK_END, THINK_START
 from jaxopd.train.buffer import Sample
 
-__all__ = ["reference_kind", "SFT_MODE", "response_text", "WalkthroughTurn", "walkthrough_turns", "WalkthroughStats",
+__all__ = ["SFT_MODE", "response_text", "WalkthroughTurn", "walkthrough_turns", "WalkthroughStats",
            "walkthrough_samples", "SFTDataset"]
-
-_REFERENCE_KIND = {"walkthrough": "solution", "searching-expert": "searching_expert"}
-
-
-def reference_kind(demonstrations: str) -> str:
-    """The ``envs.references`` kind whose references are the demonstrations ``RunConfig.sft_demonstrations``
-    names (a ScienceWorld "walkthrough" is its gold path)."""
-    if demonstrations not in _REFERENCE_KIND:
-        raise ValueError(f"unknown SFT demonstrations {demonstrations!r}; expected one of {tuple(_REFERENCE_KIND)}")
-    return _REFERENCE_KIND[demonstrations]
-
 
 SFT_MODE = "full"
 """The generation mode whose prompts SFT trains on: the full think-then-act mode of the rollouts, whose
