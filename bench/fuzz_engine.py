@@ -765,6 +765,8 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=2000, help="requests to fuzz (default 2000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request generator and the disruptions")
     p.add_argument("--out", default="results/reliability", help="folder of fuzz_engine.json / .md")
+    p.add_argument("--mixed-steps", default="auto", choices=["auto", "on", "off"],
+                   help="the engine's mixed prefill + decode steps (auto: the backend's default, off on CPU)")
     args = p.parse_args(argv)
     if args.requests < 1:
         p.error("--requests must be >= 1")
@@ -775,13 +777,15 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    engine, tokenizer = build_micro_engine(seed=args.seed)
+    engine, tokenizer = build_micro_engine(
+        seed=args.seed, mixed_steps={"auto": None, "on": True, "off": False}[args.mixed_steps])
     with engine:
         report = run_engine_fuzz(engine, tokenizer, requests=args.requests, seed=args.seed)
     config = engine.config
     result = {"seed": args.seed, "report": report.as_dict(),
               "engine": {"max_slots": config.max_slots, "page_size": config.page_size,
                          "num_pages": config.num_pages, "max_seq_len": config.max_seq_len,
+                         "mixed_steps": config.uses_mixed_steps, "mixed_steps_run": engine.stats["mixed_steps"],
                          "model": "random micro Qwen3 (hidden 16, 1 layer) over the real Qwen3 tokenizer's "
                                   f"{engine.vocab_size:,} ids"}}
     write_result(result, markdown(result), Path(args.out) / "fuzz_engine.json")

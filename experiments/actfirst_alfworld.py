@@ -134,7 +134,7 @@ def resolve_preset(name: str, backend: str | None = None) -> Preset:
 
 def departures_from_paper(preset: Preset, *, model_name: str, paper_architecture: bool, random_weights: bool,
                           policies: Sequence[str], contexts_source: dict[str, Any], backend: str,
-                          prefix_sharing: bool = False) -> list[str]:
+                          prefix_sharing: bool = False, mixed_steps: bool = False) -> list[str]:
     """Every way this run differs from App. C.5 / Table 8, in words."""
     paper = PRESETS["paper"]
     out = []
@@ -155,7 +155,8 @@ def departures_from_paper(preset: Preset, *, model_name: str, paper_architecture
             fmt = (lambda v: ", ".join(map(str, v))) if isinstance(mine, tuple) else str
             out.append(f"{what}: {fmt(mine)} (paper: {fmt(theirs)})")
     out.append(f"engine: jaxopd's paged-KV JAX sampler on {backend} (policy {', '.join(policies)}; prefix sharing "
-               f"{'on' if prefix_sharing else 'off'}, chunked prefill on) instead of vLLM on one A100-SXM4-80GB")
+               f"{'on' if prefix_sharing else 'off'}, chunked prefill on, mixed prefill + decode steps "
+               f"{'on' if mixed_steps else 'off'}) instead of vLLM on one A100-SXM4-80GB")
     if contexts_source.get("games") == "generated":
         out.append(f"contexts: ALFWorld-format training games generated from the alfworld wheel's floor plans "
                    f"(envs.alfworld_gen; {contexts_source.get('pool_size', '?')} train games, "
@@ -215,11 +216,13 @@ def describe_contexts(context_set: ContextSet, contexts: Sequence[TaskContext]) 
 
 
 # ------------------------------------------------------------------------------------------- the engine
-def engine_config_for(preset: Preset, contexts: Sequence[TaskContext], policy: str, *, prefix_sharing: bool = True):
+def engine_config_for(preset: Preset, contexts: Sequence[TaskContext], policy: str, *, prefix_sharing: bool = True,
+                      mixed_steps: bool | None = None):
     """Engine limits sized so that b_max requests of the longest prompt and response fit the page pool at
     once: no request is ever preempted, so timings measure scheduling, not recomputation. Events are
     recorded so that every timed batch's schedule is checked (``speedup_protocol.check_schedule``).
     ``prefix_sharing``: a turn's fast and full requests (and repeated contexts) share their prompt's pages.
+    ``mixed_steps``: prompt chunks and decode rows in one device step (``None``: the backend's default).
     The job sends no score requests, so the scoring step is not compiled."""
     from jaxopd.sampler import EngineConfig
 
@@ -231,7 +234,8 @@ def engine_config_for(preset: Preset, contexts: Sequence[TaskContext], policy: s
                         num_pages=preset.max_bmax * pages_per_seq + 1, max_seq_len=max_seq_len,
                         prefill_chunk=min(preset.prefill_chunk, max_seq_len),
                         max_prefill_tokens=preset.max_prefill_tokens, max_prefill_rows=preset.max_prefill_rows,
-                        policy=policy, record_events=True, prefix_sharing=prefix_sharing, scoring=False)
+                        policy=policy, record_events=True, prefix_sharing=prefix_sharing, scoring=False,
+                        mixed_steps=mixed_steps)
 
 
 def build_model(model_name: str, weights: str | None):
@@ -287,6 +291,7 @@ class RunOptions:
     progress: bool = True
     command: str = ""
     prefix_sharing: bool = True
+    mixed_steps: bool | None = None          # None: the attention backend's default (EngineConfig.mixed_steps)
 
 
 def idealized_for_point(point: PointResult, *, preset: Preset, calibration: CalibratedLatencies,
@@ -411,8 +416,9 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
     engine_info: dict[str, Any] = {}
     sharing: dict[str, Any] = {"enabled": options.prefix_sharing, "scan": {}}
     for policy in options.policies:
-        config = engine_config_for(preset, timed, policy, prefix_sharing=options.prefix_sharing)
-        engine_info[policy] = dataclasses.asdict(config)
+        config = engine_config_for(preset, timed, policy, prefix_sharing=options.prefix_sharing,
+                                   mixed_steps=options.mixed_steps)
+        engine_info[policy] = {**dataclasses.asdict(config), "uses_mixed_steps": config.uses_mixed_steps}
         t = time.perf_counter()
         log(f"engine ({policy}): max_slots {config.max_slots}, max_seq_len {config.max_seq_len}, "
             f"{config.num_pages} pages of {config.page_size}; warming up (compiles every shape bucket) ...",
@@ -475,7 +481,9 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
                                             random_weights=model_info["random_weights"],
                                             policies=options.policies, contexts_source=context_set.source,
                                             backend=machine["backend"],
-                                            prefix_sharing=options.prefix_sharing),
+                                            prefix_sharing=options.prefix_sharing,
+                                            mixed_steps=bool(engine_info) and all(
+                                                info["uses_mixed_steps"] for info in engine_info.values())),
         "machine": machine,
         "software": {"jax": jax.__version__, "flax": flax.__version__, "numpy": np.__version__},
         "model": model_info, "engine": engine_info,
@@ -540,6 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--prefix-sharing", default="on", choices=["on", "off"],
                    help="share the KV pages of common prompt prefixes between requests (default on)")
+    p.add_argument("--mixed-steps", default="auto", choices=["auto", "on", "off"],
+                   help="prefill prompt chunks and decode running rows in one device step (auto: on where the "
+                        "attention backend decodes in place, i.e. pallas-gpu / pallas-tpu; off for reference)")
     return p
 
 
@@ -568,6 +579,7 @@ def options_from_args(args: argparse.Namespace, *, backend: str | None = None) -
                       out=out, contexts_source=args.contexts_source, contexts_file=args.contexts_file,
                       request_seed=args.seed, progress=not args.no_progress,
                       prefix_sharing=args.prefix_sharing == "on",
+                      mixed_steps={"auto": None, "on": True, "off": False}[args.mixed_steps],
                       command="python -m experiments.actfirst_alfworld " + shlex.join(sys.argv[1:]))
 
 

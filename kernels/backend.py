@@ -34,6 +34,9 @@ class AttentionBackend(Protocol):
 
     name: str
     layout: str   # the page array's axes, e.g. "pages, page_size, kv_heads, head_dim"
+    # decode reads each row's pages in place, up to its length (a Pallas kernel), rather than gathering the whole
+    # page window: a decode row padded to the full window then costs nothing (the engine's mixed steps rely on it)
+    decode_in_place: bool
 
     def init_layer_cache(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
                          dtype: Any) -> LayerCache:

@@ -66,6 +66,7 @@ class ReferenceBackend(_GatherThenAttend):
 
     name: str = "reference"
     layout: str = "pages, page_size, kv_heads, head_dim"
+    decode_in_place: bool = False
 
     def init_layer_cache(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: Any):
         shape = (num_pages, page_size, kv_heads, head_dim)
@@ -96,6 +97,7 @@ class HeadsFirstReferenceBackend(_GatherThenAttend):
 
     name: str = "reference-hnd"
     layout: str = "kv_heads, pages, page_size, head_dim"
+    decode_in_place: bool = False
 
     def init_layer_cache(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: Any):
         shape = (kv_heads, num_pages, page_size, head_dim)

@@ -293,6 +293,7 @@ class PallasGpuBackend(HeadsFirstReferenceBackend):
 
     name: str = "pallas-gpu"
     layout: str = "kv_heads, pages, page_size, head_dim"
+    decode_in_place: bool = True
     k_splits: int | None = None
     pages_per_block: int = 8
     prefill_block_rows: int = 64

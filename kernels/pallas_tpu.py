@@ -173,6 +173,7 @@ class PallasTpuBackend(HeadsFirstReferenceBackend):
 
     name: str = "pallas-tpu"
     layout: str = "kv_heads, pages, page_size, head_dim"
+    decode_in_place: bool = True
     pages_per_compute_block: int | None = None
     megacore_mode: str | None = None
     interpret: bool | None = None
@@ -198,6 +199,7 @@ class PallasTpuRaggedBackend:
 
     name: str = "pallas-tpu-ragged"
     layout: str = "pages, page_size, 2 * kv_heads (k, v interleaved), head_dim"
+    decode_in_place: bool = True
     num_kv_pages_per_block: int | None = None
     num_queries_per_block: int | None = None
     interpret: bool = False

@@ -1,6 +1,7 @@
 """The paged-KV sampler against a dense no-cache recompute: exactness, preemption, determinism,
 no recompilation, scheduling policy, bad input, stop conditions, abort, thinking budget."""
 import asyncio
+import dataclasses
 import threading
 
 import jax
@@ -69,19 +70,22 @@ def assert_matches_dense(requests, results, dense_logits):
             assert res.token_ids == np.argmax(logits[n - 1:-1], axis=-1).tolist()
 
 
-def test_concurrent_mixed_requests_match_dense_recompute(model, dense_logits):
+@pytest.mark.parametrize("mixed_steps", [False, True], ids=["separate-steps", "mixed-steps"])
+def test_concurrent_mixed_requests_match_dense_recompute(model, dense_logits, mixed_steps):
     requests = mixed_requests(28, seed=0)
-    with Engine(model, ENGINE) as engine:
+    with Engine(model, dataclasses.replace(ENGINE, mixed_steps=mixed_steps)) as engine:
         results = engine.generate(requests)
         assert engine.stats["prefill_steps"] > 0 and engine.stats["decode_steps"] > 0
+        assert (engine.stats["mixed_steps"] > 0) == mixed_steps
     assert {r.kind for r in results} == {"fast", "full"}
     assert max(len(r.prompt_ids) for r in results) > ENGINE.prefill_chunk   # chunked prefill happened
     assert_matches_dense(requests, results, dense_logits)
 
 
-def test_preemption_keeps_outputs_exact(model, dense_logits):
+@pytest.mark.parametrize("mixed_steps", [False, True], ids=["separate-steps", "mixed-steps"])
+def test_preemption_keeps_outputs_exact(model, dense_logits, mixed_steps):
     small_pool = EngineConfig(max_slots=8, page_size=16, num_pages=60, max_seq_len=MAX_SEQ, prefill_chunk=128,
-                              max_prefill_tokens=512, eos_token_ids=())
+                              max_prefill_tokens=512, eos_token_ids=(), mixed_steps=mixed_steps)
     requests = mixed_requests(24, seed=1, max_new=(30, 60))
     with Engine(model, small_pool) as engine:
         results = engine.generate(requests)

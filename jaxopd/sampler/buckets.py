@@ -1,10 +1,11 @@
 """Shape buckets of the sampler's jitted steps: pure functions of the engine's limits.
 
-Owns which padded shapes exist (decode rows × page window, prefill rows × chunk length), the rounding of a
-batch up to its bucket (``decode_shape``, ``prefill_shape``) and the prefill budget on the padded batch
-(``prefill_fits``). The scheduler builds prefill batches with ``prefill_fits`` and the executor warms up
-``decode_shapes()`` / ``prefill_shapes()``, which are the images of those same functions, so every shape a
-step can use is compiled by ``warmup``. Fixed at engine construction. Plain Python.
+Owns which padded shapes exist (decode rows × page window, prefill rows × chunk length, and the decode half
+of a mixed step, ``mixed_decode_rows``), the rounding of a batch up to its bucket (``decode_shape``,
+``prefill_shape``) and the prefill budget on the padded batch (``prefill_fits``). The scheduler builds prefill
+batches with ``prefill_fits`` and the executor warms up ``decode_shapes()`` / ``prefill_shapes()``, which are
+the images of those same functions, so every shape a step can use is compiled by ``warmup``. Fixed at engine
+construction. Plain Python.
 """
 from __future__ import annotations
 
@@ -73,6 +74,14 @@ class Buckets:
         """Every shape ``decode_shape`` can return."""
         return sorted({self.decode_shape(r, p) for r in _smallest_in_each(self.decode_rows)
                        for p in _smallest_in_each(self.decode_pages)})
+
+    # ---------------------------------------------------------------------------------------- mixed
+    @property
+    def mixed_decode_rows(self) -> int:
+        """Decode rows of a mixed (prefill + decode) step: always the largest decode bucket, with the whole page
+        window, so the mixed step adds one compiled shape per prefill shape (not per prefill × decode shape).
+        Padding rows are inactive: in-place kernels skip them; their token-wise layers cost ``max_slots`` tokens."""
+        return self.decode_rows[-1]
 
     # ---------------------------------------------------------------------------------------- prefill
     def prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:

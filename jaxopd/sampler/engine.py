@@ -29,7 +29,7 @@ from jaxopd.models.qwen3 import Qwen3
 from jaxopd.sampler.allocator import OutOfPages
 from jaxopd.sampler.buckets import Buckets
 from jaxopd.sampler.detokenize import IncrementalText, completes_stop_string
-from jaxopd.sampler.executor import DecodeBatch, Executor, PrefillBatch, ScoreBatch, compiled_count
+from jaxopd.sampler.executor import DecodeBatch, Executor, MixedBatch, PrefillBatch, ScoreBatch, compiled_count
 from jaxopd.sampler.protocol import EngineBase
 from jaxopd.sampler.sampling import SamplingArrays
 from jaxopd.sampler.scheduler import POLICIES, Policy, PrefillChunk, Scheduler, Sequence, scheduling_policy
@@ -54,7 +54,14 @@ class EngineConfig:
     ``overlap``: in the steady state (the same rows decode at steps k and k+1, nothing to admit, prefill or
     apply) decode step k+1 is dispatched, fed step k's tokens on the device, before the host processes step
     k; a stop found at step k then drops that row's token of step k+1 (never returned). Outputs are those of
-    the synchronous engine (``overlap=False``, kept for comparison and debugging)."""
+    the synchronous engine (``overlap=False``, kept for comparison and debugging).
+    ``mixed_steps``: a step that has both prompt chunks to prefill and rows to decode runs them as one device
+    step (``executor.mixed_step``: one pass of the weights for both) instead of a prefill step, then a decode
+    step; the rows that decode are those that were decoding before the step. ``None`` (the default): on when
+    the backend's decode reads pages in place (``pallas-gpu``, ``pallas-tpu``), since the mixed step's decode
+    rows span the whole page window, which a gather backend pays for; off for ``reference`` on CPU. Warm-up
+    then compiles one more shape per prefill shape. Outputs equal the separate steps' (same tokens; log-probs
+    to float rounding, as the batch composition differs)."""
 
     max_slots: int = 64
     page_size: int = 16
@@ -70,6 +77,7 @@ class EngineConfig:
     overlap: bool = True
     prefix_sharing: bool = True
     scoring: bool = True
+    mixed_steps: bool | None = None
 
     def validate(self) -> None:
         for name in ("max_slots", "page_size", "num_pages", "max_seq_len", "prefill_chunk",
@@ -94,11 +102,20 @@ class EngineConfig:
         for name in ("prefix_sharing", "scoring", "record_events", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.mixed_steps is not None and not isinstance(self.mixed_steps, bool):
+            raise ValueError(f"EngineConfig.mixed_steps must be a bool or None (by backend), got {self.mixed_steps!r}")
 
     @property
     def backend_name(self) -> str:
         """The attention backend actually used (``"auto"`` resolved for this platform)."""
         return kernels.resolve_backend_name(self.attention_backend)
+
+    @property
+    def uses_mixed_steps(self) -> bool:
+        """``mixed_steps`` resolved: ``None`` means on exactly when the backend's decode reads pages in place."""
+        if self.mixed_steps is not None:
+            return self.mixed_steps
+        return bool(getattr(kernels.get_backend(self.backend_name), "decode_in_place", False))
 
 
 class Engine(EngineBase):
@@ -131,7 +148,7 @@ class Engine(EngineBase):
                                     max_prefill_rows=config.max_prefill_rows)
         self.executor = Executor(model, num_pages=config.num_pages, page_size=config.page_size,
                                  buckets=self.buckets, attention_backend=config.backend_name,
-                                 scoring=config.scoring)
+                                 scoring=config.scoring, mixed_steps=config.uses_mixed_steps)
         self.scheduler = Scheduler(max_slots=config.max_slots, page_size=config.page_size,
                                    num_pages=config.num_pages, policy=config.policy,
                                    prefill_chunk=config.prefill_chunk,
@@ -142,7 +159,7 @@ class Engine(EngineBase):
         self.events: list[EngineEvent] = []
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "preemptions": 0,
                       "generated_tokens": 0, "errors": 0, "shared_pages": 0, "prefill_tokens_saved": 0,
-                      "scored_tokens": 0}
+                      "scored_tokens": 0, "mixed_steps": 0}
         self.scheduler.stats = self.stats        # the scheduler counts shared pages / prefill tokens saved
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -391,15 +408,45 @@ class Engine(EngineBase):
         for seq in self.scheduler.admit(now):
             self._record("admit", seq.request, now)
         chunks = self.scheduler.prefill_chunks()
+        if chunks and self.executor.mixed_steps and self._mixed_step(chunks):
+            self.stats["steps"] += 1
+            return
         if chunks:
             self._run_prefill(chunks)
+        decode = self._decode_sequences()
+        if decode:
+            self._run_decode(decode)
+        self.stats["steps"] += 1
+
+    def _decode_sequences(self) -> list[Sequence]:
+        """The scheduler's rows to decode this step (each given a page for its next position), recording the
+        sequences it preempted to find those pages."""
         decode = self.scheduler.decode_sequences()
         for seq in self.scheduler.preempted:
             self.stats["preemptions"] += 1
             self._record("preempt", seq.request, time.perf_counter())
-        if decode:
+        return decode
+
+    def _mixed_step(self, chunks: list[PrefillChunk]) -> bool:
+        """Run this step's generation chunks and the rows already decoding as one device step (scoring chunks
+        in their own step); False, having done nothing, when the step has no row to decode or no generation
+        chunk. A chunk whose sequence the decode rows' pages preempted waits for its re-admission."""
+        if all(c.seq.is_score for c in chunks) or \
+                not any(s.state == "decode" for s in self.scheduler.running):
+            return False
+        decode = self._decode_sequences()
+        chunks = [c for c in chunks if c.seq.state == "prefill"]
+        scoring = [c for c in chunks if c.seq.is_score]
+        plain = [c for c in chunks if not c.seq.is_score]
+        if scoring:
+            self._run_score_prefill(scoring)
+        if plain and decode:
+            self._run_mixed(plain, decode)
+        elif plain:
+            self._run_generation_prefill(plain)
+        elif decode:
             self._run_decode(decode)
-        self.stats["steps"] += 1
+        return True
 
     def _sampling(self, seqs: list[Sequence], rows: int) -> SamplingArrays:
         s = SamplingArrays.empty(rows)
@@ -470,11 +517,17 @@ class Engine(EngineBase):
                 self.stats["scored_tokens"] += len(seq.generated)
                 self._finish(seq, "length")
 
-    def _run_generation_prefill(self, chunks: list[PrefillChunk]) -> None:
+    def _generation_prefill_batch(self, chunks: list[PrefillChunk]) -> PrefillBatch:
         rows, tokens, starts, lengths, page_table = self._prefill_arrays(chunks)
-        seqs = [c.seq for c in chunks]
-        batch = PrefillBatch(tokens, starts, lengths, page_table, self._sampling(seqs, rows))
-        next_tokens, logprobs = self.executor.prefill(batch)
+        return PrefillBatch(tokens, starts, lengths, page_table, self._sampling([c.seq for c in chunks], rows))
+
+    def _run_generation_prefill(self, chunks: list[PrefillChunk]) -> None:
+        next_tokens, logprobs = self.executor.prefill(self._generation_prefill_batch(chunks))
+        self._take_prefill(chunks, next_tokens, logprobs)
+
+    def _take_prefill(self, chunks: list[PrefillChunk], next_tokens: np.ndarray, logprobs: np.ndarray) -> None:
+        """Account a generation prefill step: chunks are cached; a chunk that completes its prompt gives the
+        sequence its first token (sampled after the chunk's last token)."""
         self.stats["prefill_steps"] += 1
         now = time.perf_counter()
         for i, c in enumerate(chunks):
@@ -489,20 +542,37 @@ class Engine(EngineBase):
     def _run_decode(self, seqs: list[Sequence]) -> None:
         """Start a decode run over ``seqs`` (each has a page for its next position): dispatch its first step,
         then advance it (dispatch the next step if the steady state allows, process this one)."""
-        rows, width = self.buckets.decode_shape(len(seqs), max(len(s.pages) for s in seqs))
-        buffers = self._decode_buffers.get((rows, width))
-        if buffers is None:
-            buffers = self._decode_buffers[(rows, width)] = _DecodeBuffers(rows, width)
-        run = _DecodeRun(seqs, buffers, self.config.eos_token_ids)   # nothing is in flight: buffers are free
-        self._run = run
+        run = self._start_run(seqs, *self.buckets.decode_shape(len(seqs), max(len(s.pages) for s in seqs)))
         self._dispatch(run, run.buffers.tokens)
         self._advance_run()
 
-    def _dispatch(self, run: "_DecodeRun", tokens: Any) -> None:
+    def _run_mixed(self, chunks: list[PrefillChunk], seqs: list[Sequence]) -> None:
+        """Prefill ``chunks`` and start a decode run over ``seqs`` with one device step (``executor.mixed``): its
+        decode rows are ``Buckets.mixed_decode_rows`` over the whole page window, a compiled decode shape too."""
+        run = self._start_run(seqs, self.buckets.mixed_decode_rows, self.buckets.max_pages_per_seq)
+        prefill = self._generation_prefill_batch(chunks)
+        next_tokens, logprobs, decode_tokens, decode_logprobs = self.executor.mixed(
+            MixedBatch(prefill, self._decode_batch(run, run.buffers.tokens)))
+        run.pending.append((decode_tokens, decode_logprobs, self._served_version))
+        self.stats["decode_steps"] += 1
+        self.stats["mixed_steps"] += 1
+        self._take_prefill(chunks, next_tokens, logprobs)
+        self._advance_run()
+
+    def _start_run(self, seqs: list[Sequence], rows: int, width: int) -> "_DecodeRun":
+        buffers = self._decode_buffers.get((rows, width))
+        if buffers is None:
+            buffers = self._decode_buffers[(rows, width)] = _DecodeBuffers(rows, width)
+        self._run = _DecodeRun(seqs, buffers, self.config.eos_token_ids)   # nothing is in flight: buffers are free
+        return self._run
+
+    def _decode_batch(self, run: "_DecodeRun", tokens: Any) -> DecodeBatch:
         b = run.buffers
-        batch = DecodeBatch(tokens, b.positions[run.positions_index], b.page_tables[run.table_index], b.active,
-                            b.sampling)
-        next_tokens, logprobs = self.executor.decode(batch)
+        return DecodeBatch(tokens, b.positions[run.positions_index], b.page_tables[run.table_index], b.active,
+                           b.sampling)
+
+    def _dispatch(self, run: "_DecodeRun", tokens: Any) -> None:
+        next_tokens, logprobs = self.executor.decode(self._decode_batch(run, tokens))
         run.pending.append((next_tokens, logprobs, self._served_version))
         self.stats["decode_steps"] += 1
 

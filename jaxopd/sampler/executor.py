@@ -50,6 +50,15 @@ class PrefillBatch:
 
 
 @dataclasses.dataclass
+class MixedBatch:
+    """A prefill batch and a decode batch run as one device step (``mixed_step``): the decode rows are padded
+    to ``Buckets.mixed_decode_rows`` and their page tables span the whole window (``max_pages_per_seq``)."""
+
+    prefill: PrefillBatch
+    decode: DecodeBatch
+
+
+@dataclasses.dataclass
 class ScoreBatch:
     """A prefill batch whose every position also scores its next token (``targets``)."""
 
@@ -149,6 +158,51 @@ def prefill_step(graphdef, backend: kernels.AttentionBackend, state, kv, head_dv
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def mixed_step(static: StaticModel, backend: kernels.AttentionBackend, state_leaves, kv, head_dv, prefill, decode):
+    """``prefill_step`` and ``decode_step`` in one device step (a ragged batch): the prefill chunks' tokens and
+    the decode rows' tokens are one token sequence for every token-wise layer (one read of the weights, one
+    launch per layer), each writes its KV into its own pages, and only attention is split by kind: the chunks
+    through ``backend.prefill_attention``, the decode rows through ``backend.decode_attention``.
+    ``prefill`` = (tokens [Rp, L], starts, lengths, page_table [Rp, P], temperature, top_p, top_k, seeds);
+    ``decode`` = (tokens [Rd], positions, page_table [Rd, P], active, temperature, top_p, top_k, seeds).
+    Returns the cache, then (tokens, log-probs) of the prefill rows and of the decode rows."""
+    model = nnx.merge(static.graphdef, jax.tree.unflatten(static.treedef, state_leaves))
+    p_tokens, p_starts, p_lengths, p_table, *p_sampling = prefill
+    d_tokens, d_positions, d_table, d_active, *d_sampling = decode
+    page_size = backend.page_size(kv[0])
+    rows_p, length = p_tokens.shape
+    n_prefill = rows_p * length
+    offsets = jnp.arange(length)[None, :]
+    p_positions = p_starts[:, None] + offsets
+    p_valid = offsets < p_lengths[:, None]
+    p_index = jnp.minimum(p_positions // page_size, p_table.shape[1] - 1)
+    p_pages = jnp.where(p_valid, jnp.take_along_axis(p_table, p_index, axis=1), NULL_PAGE)
+    d_index = jnp.minimum(d_positions // page_size, d_table.shape[1] - 1)
+    d_pages = jnp.where(d_active, d_table[jnp.arange(d_tokens.shape[0]), d_index], NULL_PAGE)
+    write_pages = jnp.concatenate([p_pages.reshape(-1), d_pages])[None, :]
+    write_offsets = jnp.concatenate([jnp.where(p_valid, p_positions % page_size, 0).reshape(-1),
+                                     jnp.where(d_active, d_positions % page_size, 0)])[None, :]
+
+    def attention(q, layer_cache):
+        q_prefill = q[0, :n_prefill].reshape(rows_p, length, *q.shape[2:])
+        out_prefill = backend.prefill_attention(q_prefill, layer_cache, p_table, p_positions)
+        out_decode = backend.decode_attention(q[0, n_prefill:], layer_cache, d_table, d_positions + 1)
+        return jnp.concatenate([out_prefill.reshape(n_prefill, *q.shape[2:]), out_decode])[None]
+
+    attend = _paged_attend(backend, write_pages, write_offsets, attention)
+    tokens = jnp.concatenate([p_tokens.reshape(-1), d_tokens])[None, :]
+    positions = jnp.concatenate([p_positions.reshape(-1), d_positions])[None, :]
+    hidden, kv = model.hidden_states(tokens, positions, attend, kv)
+    last = jnp.maximum(p_lengths - 1, 0)
+    p_hidden = hidden[0, :n_prefill].reshape(rows_p, length, -1)[jnp.arange(rows_p), last]
+    logits = model.logits(jnp.concatenate([p_hidden, hidden[0, n_prefill:]]), head_dv)
+    sampling = [jnp.concatenate([a, b]) for a, b in zip(p_sampling, d_sampling)]
+    next_tokens, logprobs = sample_tokens(logits, *sampling, jnp.concatenate([p_starts + p_lengths,
+                                                                              d_positions + 1]))
+    return kv, (next_tokens[:rows_p], logprobs[:rows_p]), (next_tokens[rows_p:], logprobs[rows_p:])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
 def score_step(graphdef, backend: kernels.AttentionBackend, state, kv, head_dv, tokens, starts, lengths,
                page_table, targets, temperature):
     """A prefill chunk per row (KV written as ``prefill_step`` does) that returns, at every position, the
@@ -172,9 +226,14 @@ def _transposed_embedding(state):
     return jnp.transpose(state["embedding_vd"][...])
 
 
+def _sampling_tuple(s: SamplingArrays) -> tuple:
+    return s.temperature, s.top_p, s.top_k, s.seeds
+
+
 def compiled_count() -> int:
     """Entries in the step functions' jit caches (a test asserts this stops growing after warm-up)."""
-    return decode_step._cache_size() + prefill_step._cache_size() + score_step._cache_size()
+    return (decode_step._cache_size() + prefill_step._cache_size() + score_step._cache_size()
+            + mixed_step._cache_size())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -189,7 +248,7 @@ class Executor:
     prefill and decode steps on host batches."""
 
     def __init__(self, model: Qwen3, *, num_pages: int, page_size: int, buckets: Buckets,
-                 attention_backend: str = "auto", scoring: bool = True):
+                 attention_backend: str = "auto", scoring: bool = True, mixed_steps: bool = False):
         cfg = model.config
         self.config = cfg
         self.num_pages = num_pages
@@ -197,6 +256,7 @@ class Executor:
         self.buckets = buckets
         self.backend = kernels.get_backend(kernels.resolve_backend_name(attention_backend))
         self.scoring = scoring
+        self.mixed_steps = mixed_steps
         self.graphdef, self.state = nnx.split(model)
         self._state_treedef = jax.tree.structure(self.state)
         self._abstract_state = {path: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
@@ -239,6 +299,17 @@ class Executor:
             self.graphdef, self.backend, self.state, self.kv, self.head_dv, batch.tokens, batch.starts,
             batch.lengths, batch.page_table, s.temperature, s.top_p, s.top_k, s.seeds)
         return np.asarray(tokens), np.asarray(logprobs)
+
+    def mixed(self, batch: MixedBatch) -> tuple[np.ndarray, np.ndarray, jax.Array, jax.Array]:
+        """Run ``batch``'s prefill and decode rows as one step; returns the prefill rows' (tokens, log-probs) on
+        the host and the decode rows' on the device (the same contract as ``decode`` for its host arrays)."""
+        p, d = batch.prefill, batch.decode
+        self.kv, (p_tokens, p_logprobs), (d_tokens, d_logprobs) = mixed_step(
+            self._static, self.backend, self._state_leaves, self.kv, self.head_dv,
+            (p.tokens, p.starts, p.lengths, p.page_table, *_sampling_tuple(p.sampling)),
+            (d.tokens, d.positions, d.page_table, d.active, *_sampling_tuple(d.sampling)))
+        jax.block_until_ready((p_tokens, p_logprobs, d_tokens, d_logprobs))
+        return np.asarray(p_tokens), np.asarray(p_logprobs), d_tokens, d_logprobs
 
     def score(self, batch: ScoreBatch) -> np.ndarray:
         """Prefill ``batch`` and return the float32 ``[R, L]`` log-probs of its targets."""
@@ -291,8 +362,9 @@ class Executor:
 
     def warmup(self) -> int:
         """Compile every bucket (``Buckets.decode_shapes`` / ``prefill_shapes``, the shapes the engine's steps
-        can take; the scoring step on every prefill shape too when ``scoring``) with dummy work that writes
-        only to the null page; returns the number of compiled shapes."""
+        can take; the scoring step on every prefill shape too when ``scoring``, the mixed step on every prefill
+        shape when ``mixed_steps``) with dummy work that writes only to the null page; returns the number of
+        compiled shapes."""
         n = 0
         for rows, pages in self.buckets.decode_shapes():
             tokens = np.zeros(rows, np.int32)
@@ -313,9 +385,19 @@ class Executor:
                                       np.zeros((rows, self.buckets.max_pages_per_seq), np.int32),
                                       np.zeros((rows, length), np.int32), np.ones(rows, np.float32)))
                 n += 1
+            if self.mixed_steps:
+                d_rows = self.buckets.mixed_decode_rows
+                self.mixed(MixedBatch(
+                    PrefillBatch(np.zeros((rows, length), np.int32), np.zeros(rows, np.int32),
+                                 np.zeros(rows, np.int32), np.zeros((rows, self.buckets.max_pages_per_seq), np.int32),
+                                 SamplingArrays.empty(rows)),
+                    DecodeBatch(np.zeros(d_rows, np.int32), np.zeros(d_rows, np.int32),
+                                np.zeros((d_rows, self.buckets.max_pages_per_seq), np.int32), np.zeros(d_rows, bool),
+                                SamplingArrays.empty(d_rows))))
+                n += 1
         jax.block_until_ready(self.kv)
         return n
 
 
-__all__ = ["DecodeBatch", "PrefillBatch", "StaticModel", "ScoreBatch", "decode_step", "prefill_step", "score_step",
-           "compiled_count", "Executor"]
+__all__ = ["DecodeBatch", "PrefillBatch", "MixedBatch", "StaticModel", "ScoreBatch", "decode_step", "prefill_step",
+           "mixed_step", "score_step", "compiled_count", "Executor"]

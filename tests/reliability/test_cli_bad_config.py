@@ -60,6 +60,10 @@ CASES = [
     ("bench.engine_overhead", "preset", ["--model", "laptop", "--out", "{out}/r.json"], None,
      ["--model", "laptop", "not a Qwen3 preset"]),
     ("bench.engine_overhead", "out", ["--out", "{blocked}/r.json"], None, ["--out", "{blocked}", "not writable"]),
+    # bench.mixed_steps
+    ("bench.mixed_steps", "preset", ["--model", "laptop", "--out", "{out}/r.json"], None,
+     ["--model", "laptop", "not a Qwen3 preset"]),
+    ("bench.mixed_steps", "out", ["--out", "{blocked}/r.json"], None, ["--out", "{blocked}", "not writable"]),
     # bench.env_pool
     ("bench.env_pool", "checkpoint", ["--games-root", "{missing}", "--out", "{out}/r.json"], None,
      ["--games-root", "{missing}", "no such folder"]),
@@ -144,6 +148,7 @@ def test_every_command_line_is_covered():
                 "experiments.evaluate": {"checkpoint", "preset", "out", "alfworld_data"},
                 "experiments.train_report": {"checkpoint", "out"}, "experiments.report": {"checkpoint", "out"},
                 "bench.sampler_throughput": {"preset", "out"}, "bench.engine_overhead": {"preset", "out"},
+                "bench.mixed_steps": {"preset", "out"},
                 "bench.env_pool": {"checkpoint", "out"}, "bench.env_throughput": {"checkpoint", "preset", "out"},
                 "bench.rollout_quality": {"checkpoint", "preset", "out", "teacher_vocabulary"},
                 "bench.decode_attention": {"preset", "out"}, "bench.soak": {"preset", "out", "alfworld_data"}}
