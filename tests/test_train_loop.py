@@ -7,6 +7,7 @@ resumed from a checkpoint takes the same next batch, so its next loss equals the
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -55,12 +56,72 @@ def probe(engine, update):
     return {"probe_logprobs": [float(x) for x in result.logprobs], "served_version": engine.policy_version}
 
 
-def train(method, out_dir, source, tokenizer, **overrides):
+def train(method, out_dir, source, tokenizer, *, student=None, teacher=None, **overrides):
     config = build_config(method, preset="cpu", **{**SMALL, **overrides})
-    trainer = Trainer(config, student=Qwen3(MICRO, rngs=nnx.Rngs(0)), teacher=Qwen3(MICRO, rngs=nnx.Rngs(1)),
-                      tokenizer=tokenizer, source=source, out_dir=out_dir, progress=False, evaluate=probe,
-                      tensorboard=True, log=lambda message: None)
+    trainer = Trainer(config, student=student or Qwen3(MICRO, rngs=nnx.Rngs(0)),
+                      teacher=teacher or Qwen3(MICRO, rngs=nnx.Rngs(1)), tokenizer=tokenizer, source=source,
+                      out_dir=out_dir, progress=False, evaluate=probe, tensorboard=True, log=lambda message: None)
     return trainer.run()
+
+
+IMPRINTED = dataclasses.replace(MICRO, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                                intermediate_size=128)
+
+
+def game_prompts(source, tokenizer, mode="full"):
+    """The prompts of the first states of the source's training games, rendered as the strategies render them."""
+    from jaxopd.rollout.prompts import PromptInputs, render_prompt
+
+    env = source.env_factory()
+    prompts = []
+    try:
+        for task in env.tasks("train"):
+            observation, history = env.reset(task), []
+            for action in ("look", "inventory"):
+                inputs = PromptInputs(benchmark="alfworld", instruction=observation.instruction, history=history,
+                                      observation=observation.text, admissible_actions=observation.admissible_actions)
+                prompts.append(render_prompt(tokenizer, mode, inputs, SMALL["max_prompt_tokens"]).token_ids)
+                history = [*history, (action, observation.text)]
+                observation = env.step(action)
+    finally:
+        env.close()
+    return prompts
+
+
+def imprint(seed, actions, prompts, tokenizer, steps=100):
+    """A small Qwen3 taught by SFT steps to answer ``prompts`` with ``<think>\n\n</think>\n\n<action>A</action>``,
+    A drawn from ``actions`` in equal shares: a model whose actions parse, so that ActionOPD's teacher samples are
+    valid and its candidates' rewards differ."""
+    import jax
+    import optax
+
+    from jaxopd.train.buffer import Sample, collate_samples
+    from jaxopd.train.step import LossConfig, batch_loss
+
+    model = Qwen3(IMPRINTED, rngs=nnx.Rngs(seed))
+    graphdef, params = nnx.split(model)
+    samples = []
+    for prompt in prompts:               # each prompt with every action: the optimum is equal shares
+        for action in actions:
+            response = tokenizer.encode(f"<think>\n\n</think>\n\n<action>{action}</action>")
+            tokens = np.asarray(prompt + response + [tokenizer.eos_token_id], np.int32)
+            mask = np.zeros(len(tokens), bool)
+            mask[len(prompt):] = True
+            samples.append(Sample(tokens, mask, np.zeros(len(tokens), np.float32), 0))
+    batch = collate_samples(samples)
+    optimizer = optax.adam(1e-2)
+    loss_config = LossConfig(kind="sft", temperature=1.0, max_supervised_tokens=24)
+
+    @jax.jit
+    def step(params, opt_state):
+        grads = jax.grad(lambda p: batch_loss(p, graphdef, batch, loss_config)[0])(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = optimizer.init(params)
+    for _ in range(steps):
+        params, opt_state = step(params, opt_state)
+    return nnx.merge(graphdef, params)
 
 
 @pytest.mark.parametrize("method", ["vanilla-opd", *(pytest.param(m, marks=pytest.mark.slow)
@@ -91,6 +152,43 @@ def test_method_trains_syncs_and_resumes_exactly(method, source, tokenizer, tmp_
     assert [r["step"] for r in again] == [1, 2, 3]
     assert again[2]["loss"] == records[2]["loss"]
     assert again[2]["batch_tokens"] == records[2]["batch_tokens"]
+
+
+@pytest.mark.slow
+def test_actionopd_trains_syncs_and_resumes_exactly(source, tokenizer, tmp_path):
+    """ActionOPD through the loop: a teacher imprinted with "look" gives valid samples, a student imprinted with
+    "look" and "inventory" gives candidates whose agreement rewards differ, so groups are retained and every
+    collection trains; versions advance, the weights reach the engine, and a resumed run repeats the next loss."""
+    prompts = game_prompts(source, tokenizer)
+    teacher = imprint(1, ["look"], prompts, tokenizer)
+    student_state = nnx.state(imprint(0, ["look", "inventory"], prompts, tokenizer))
+
+    def student():
+        model = Qwen3(IMPRINTED, rngs=nnx.Rngs(0))
+        nnx.update(model, student_state)
+        return model
+
+    overrides = dict(rollout_mode="sync", learning_rate=1e-3, batch_size=2, first_stage_tokens=24, total_tokens=32,
+                     second_stage_tokens=8)
+    out = tmp_path / "actionopd"
+    summary = train("actionopd", out, source, tokenizer, student=student(), teacher=teacher, **overrides)
+    assert summary["updates"] == 3
+    records = read_jsonl(out / "train.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"]) and record["grad_norm"] > 0
+    evals = read_jsonl(out / "eval.jsonl")
+    assert [e["served_version"] for e in evals] == [0, 3]
+    assert evals[0]["probe_logprobs"] != evals[1]["probe_logprobs"]
+
+    shutil.rmtree(out / "checkpoints" / "3")
+    (out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    (out / "eval.jsonl").write_text(json.dumps(evals[0]) + "\n")
+    resumed = train("actionopd", out, source, tokenizer, student=student(), teacher=teacher, **overrides)
+    assert resumed["updates"] == 3
+    again = read_jsonl(out / "train.jsonl")
+    assert [r["step"] for r in again] == [1, 2, 3]
+    assert again[2]["loss"] == records[2]["loss"]
 
 
 @pytest.mark.slow
