@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from engine_requests import request_mix
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 
 VOCAB = 64
@@ -30,22 +31,7 @@ def model():
 
 
 def requests(n, seed):
-    """A mix: greedy and sampled (top-k, top-p), stop tokens with and without min_new_tokens, stop strings,
-    staggered lengths and prompt lengths (so rows finish, admissions and prefills interleave with decode)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        prompt = rng.integers(0, VOCAB, size=int(rng.integers(1, 40))).tolist()
-        kw = dict(max_new_tokens=int(rng.integers(1, 60)), temperature=0.0 if i % 3 == 0 else 1.0, seed=100 + i)
-        if i % 4 == 1:
-            kw.update(top_k=8, top_p=0.9)
-        if i % 5 == 2:
-            kw.update(stop_token_ids=(int(rng.integers(0, VOCAB)),),
-                      min_new_tokens=min(kw["max_new_tokens"], int(rng.integers(0, 10))))
-        if i % 7 == 3:
-            kw.update(stop_strings=("ab", "zz"))
-        out.append(Request(prompt, SamplingParams(**kw), request_id=f"r{i}"))
-    return out
+    return request_mix(n, seed, vocab=VOCAB)
 
 
 def run(model, config, reqs):

@@ -10,7 +10,8 @@ from flax import nnx
 
 import kernels
 from jaxopd.models.qwen3 import Qwen3, Qwen3Config
-from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
+from engine_requests import request_mix
+from jaxopd.sampler import Engine, EngineConfig
 
 VOCAB = 64
 CFG = Qwen3Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
@@ -31,28 +32,10 @@ def model():
 
 
 def requests(n, seed, score_every=0, max_new=40):
-    """Greedy and sampled requests with stops (tokens, strings, min_new_tokens), staggered prompt and output
-    lengths (so prompts keep arriving while other rows decode), long prompts that take several chunks, and
-    every ``score_every``-th one a score request."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        prompt = rng.integers(0, VOCAB, size=int(rng.integers(1, 50))).tolist()
-        if score_every and i % score_every == score_every - 1:
-            completion = rng.integers(0, VOCAB, size=int(rng.integers(1, 12))).tolist()
-            out.append(Request(prompt, SamplingParams(max_new_tokens=len(completion), temperature=0.7),
-                               request_id=f"s{i}", score_ids=completion))
-            continue
-        kw = dict(max_new_tokens=int(rng.integers(1, max_new)), temperature=0.0 if i % 3 == 0 else 1.0, seed=200 + i)
-        if i % 4 == 1:
-            kw.update(top_k=8, top_p=0.9)
-        if i % 5 == 2:
-            kw.update(stop_token_ids=(int(rng.integers(0, VOCAB)),),
-                      min_new_tokens=min(kw["max_new_tokens"], int(rng.integers(0, 8))))
-        if i % 7 == 3:
-            kw.update(stop_strings=("ab", "zz"))
-        out.append(Request(prompt, SamplingParams(**kw), request_id=f"r{i}"))
-    return out
+    """Staggered prompt and output lengths (prompts keep arriving while other rows decode), long prompts that take
+    several chunks, stops of every kind, and every ``score_every``-th one a score request."""
+    return request_mix(n, seed, vocab=VOCAB, max_prompt=50, max_new=max_new, min_new_below=8,
+                       seed_base=200, score_every=score_every)
 
 
 def run(model, config, reqs):
