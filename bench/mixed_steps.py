@@ -16,6 +16,7 @@ token now and then and the rest of the request diverges, which says nothing abou
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import statistics
@@ -103,7 +104,7 @@ def main(argv=None):
                         max_seq_len=seq, prefill_chunk=min(512, 1 << (args.prompt_len - 1).bit_length()),
                         max_prefill_tokens=2048, eos_token_ids=(), attention_backend=args.backend, scoring=False)
     names = ("separate", "mixed")
-    engines = {name: Engine(model, EngineConfig(**{**base.__dict__, "mixed_steps": name == "mixed"})).start()
+    engines = {name: Engine(model, dataclasses.replace(base, mixed_steps=name == "mixed")).start()
                for name in names}
     try:
         warmup = {}

@@ -1,4 +1,5 @@
-"""Randomised request mixes for engine equivalence tests (overlapped vs synchronous, mixed vs separate steps)."""
+"""Randomised request mixes for engine equivalence tests (overlapped vs synchronous, mixed vs separate steps), and
+the character tokenizer their stop strings are checked with."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,3 +31,10 @@ def request_mix(n, seed, *, vocab, max_prompt=40, max_new=60, min_new_below=10, 
             kw.update(stop_strings=("ab", "zz"))
         out.append(Request(prompt, SamplingParams(**kw), request_id=f"r{i}"))
     return out
+
+
+class CharTokenizer:
+    """Token t decodes to one letter (``t mod 26``), so stop strings can be hit by token ids."""
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + int(t) % 26) for t in ids)

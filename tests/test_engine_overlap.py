@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxopd.models.qwen3 import Qwen3, Qwen3Config
-from engine_requests import request_mix
+from engine_requests import CharTokenizer, request_mix
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 
 VOCAB = 64
@@ -18,11 +18,6 @@ CFG = Qwen3Config(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, hea
                   vocab_size=VOCAB, dtype="float32", param_dtype="float32")
 BASE = EngineConfig(max_slots=8, page_size=4, num_pages=256, max_seq_len=128, prefill_chunk=16,
                     max_prefill_tokens=64, max_prefill_rows=4, eos_token_ids=(5,))
-
-
-class CharTokenizer:
-    def decode(self, ids):
-        return "".join(chr(ord("a") + int(t) % 26) for t in ids)
 
 
 @pytest.fixture(scope="module")

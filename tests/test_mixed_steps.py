@@ -10,7 +10,7 @@ from flax import nnx
 
 import kernels
 from jaxopd.models.qwen3 import Qwen3, Qwen3Config
-from engine_requests import request_mix
+from engine_requests import CharTokenizer, request_mix
 from jaxopd.sampler import Engine, EngineConfig
 
 VOCAB = 64
@@ -19,11 +19,6 @@ CFG = Qwen3Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, hea
 BASE = EngineConfig(max_slots=8, page_size=4, num_pages=256, max_seq_len=128, prefill_chunk=16,
                     max_prefill_tokens=64, max_prefill_rows=4, eos_token_ids=(5,), attention_backend="reference")
 LOGPROB_TOL = 1e-5
-
-
-class CharTokenizer:
-    def decode(self, ids):
-        return "".join(chr(ord("a") + int(t) % 26) for t in ids)
 
 
 @pytest.fixture(scope="module")

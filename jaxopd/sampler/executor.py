@@ -103,17 +103,32 @@ class StaticModel:
                                  and self.graphdef == other.graphdef and self.treedef == other.treedef)
 
 
+def _decode_writes(positions, active, page_table, page_size):
+    """Where one token per row writes its KV: (page ids, offsets) ``[R]``; inactive rows write to the null page."""
+    page_index = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
+    pages = jnp.where(active, page_table[jnp.arange(positions.shape[0]), page_index], NULL_PAGE)
+    return pages, jnp.where(active, positions % page_size, 0)
+
+
+def _chunk_writes(starts, lengths, length, page_table, page_size):
+    """A prompt chunk per row: its positions ``[R, L]`` and where each token writes its KV (page ids, offsets
+    ``[R, L]``); padding positions write to the null page."""
+    offsets = jnp.arange(length)[None, :]
+    positions = starts[:, None] + offsets
+    valid = offsets < lengths[:, None]
+    page_index = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
+    pages = jnp.where(valid, jnp.take_along_axis(page_table, page_index, axis=1), NULL_PAGE)
+    return positions, pages, jnp.where(valid, positions % page_size, 0)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
 def decode_step(static: StaticModel, backend: kernels.AttentionBackend, state_leaves, kv, head_dv, tokens,
                 positions, page_table, active, temperature, top_p, top_k, seeds):
     """One token for every row: write its KV at ``positions``, attend over the row's pages, sample.
     ``state_leaves``: the model state's leaves (flattened once per weight update, not per call)."""
     model = nnx.merge(static.graphdef, jax.tree.unflatten(static.treedef, state_leaves))
-    page_size = backend.page_size(kv[0])
-    rows = jnp.arange(tokens.shape[0])
-    page_index = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
-    write_pages = jnp.where(active, page_table[rows, page_index], NULL_PAGE)[:, None]
-    write_offsets = jnp.where(active, positions % page_size, 0)[:, None]
+    write_pages, write_offsets = _decode_writes(positions, active, page_table, backend.page_size(kv[0]))
+    write_pages, write_offsets = write_pages[:, None], write_offsets[:, None]
 
     def attention(q, layer_cache):
         return backend.decode_attention(q[:, 0], layer_cache, page_table, positions + 1)[:, None]
@@ -129,13 +144,8 @@ def _prefill_hidden(model, backend: kernels.AttentionBackend, kv, tokens, starts
     """The model's hidden states over one prompt chunk per row, writing the chunk's KV into its pages (padding
     positions write to the null page) and attending causally over everything cached: the shared body of
     ``prefill_step`` and ``score_step``."""
-    page_size = backend.page_size(kv[0])
-    offsets = jnp.arange(tokens.shape[1])[None, :]
-    positions = starts[:, None] + offsets
-    valid = offsets < lengths[:, None]
-    page_index = jnp.minimum(positions // page_size, page_table.shape[1] - 1)
-    write_pages = jnp.where(valid, jnp.take_along_axis(page_table, page_index, axis=1), NULL_PAGE)
-    write_offsets = jnp.where(valid, positions % page_size, 0)
+    positions, write_pages, write_offsets = _chunk_writes(starts, lengths, tokens.shape[1], page_table,
+                                                          backend.page_size(kv[0]))
 
     def attention(q, layer_cache):
         return backend.prefill_attention(q, layer_cache, page_table, positions)
@@ -172,16 +182,10 @@ def mixed_step(static: StaticModel, backend: kernels.AttentionBackend, state_lea
     page_size = backend.page_size(kv[0])
     rows_p, length = p_tokens.shape
     n_prefill = rows_p * length
-    offsets = jnp.arange(length)[None, :]
-    p_positions = p_starts[:, None] + offsets
-    p_valid = offsets < p_lengths[:, None]
-    p_index = jnp.minimum(p_positions // page_size, p_table.shape[1] - 1)
-    p_pages = jnp.where(p_valid, jnp.take_along_axis(p_table, p_index, axis=1), NULL_PAGE)
-    d_index = jnp.minimum(d_positions // page_size, d_table.shape[1] - 1)
-    d_pages = jnp.where(d_active, d_table[jnp.arange(d_tokens.shape[0]), d_index], NULL_PAGE)
+    p_positions, p_pages, p_offsets = _chunk_writes(p_starts, p_lengths, length, p_table, page_size)
+    d_pages, d_offsets = _decode_writes(d_positions, d_active, d_table, page_size)
     write_pages = jnp.concatenate([p_pages.reshape(-1), d_pages])[None, :]
-    write_offsets = jnp.concatenate([jnp.where(p_valid, p_positions % page_size, 0).reshape(-1),
-                                     jnp.where(d_active, d_positions % page_size, 0)])[None, :]
+    write_offsets = jnp.concatenate([p_offsets.reshape(-1), d_offsets])[None, :]
 
     def attention(q, layer_cache):
         q_prefill = q[0, :n_prefill].reshape(rows_p, length, *q.shape[2:])
@@ -366,37 +370,38 @@ class Executor:
         shape when ``mixed_steps``) with dummy work that writes only to the null page; returns the number of
         compiled shapes."""
         n = 0
+        max_pages = self.buckets.max_pages_per_seq
         for rows, pages in self.buckets.decode_shapes():
             tokens = np.zeros(rows, np.int32)
             for _ in range(2):   # host tokens (a run's first step), then the previous step's tokens on the device
-                tokens, _ = self.decode(DecodeBatch(tokens, np.zeros(rows, np.int32),
-                                                    np.zeros((rows, pages), np.int32), np.zeros(rows, bool),
-                                                    SamplingArrays.empty(rows)))
+                tokens, _ = self.decode(dataclasses.replace(_idle_decode(rows, pages), tokens=tokens))
             n += 1
         for rows, length in self.buckets.prefill_shapes():
-            self.prefill(PrefillBatch(np.zeros((rows, length), np.int32), np.zeros(rows, np.int32),
-                                      np.zeros(rows, np.int32),
-                                      np.zeros((rows, self.buckets.max_pages_per_seq), np.int32),
-                                      SamplingArrays.empty(rows)))
+            self.prefill(_idle_prefill(rows, length, max_pages))
             n += 1
             if self.scoring:
-                self.score(ScoreBatch(np.zeros((rows, length), np.int32), np.zeros(rows, np.int32),
-                                      np.zeros(rows, np.int32),
-                                      np.zeros((rows, self.buckets.max_pages_per_seq), np.int32),
+                idle = _idle_prefill(rows, length, max_pages)
+                self.score(ScoreBatch(idle.tokens, idle.starts, idle.lengths, idle.page_table,
                                       np.zeros((rows, length), np.int32), np.ones(rows, np.float32)))
                 n += 1
             if self.mixed_steps:
-                d_rows = self.buckets.mixed_decode_rows
-                self.mixed(MixedBatch(
-                    PrefillBatch(np.zeros((rows, length), np.int32), np.zeros(rows, np.int32),
-                                 np.zeros(rows, np.int32), np.zeros((rows, self.buckets.max_pages_per_seq), np.int32),
-                                 SamplingArrays.empty(rows)),
-                    DecodeBatch(np.zeros(d_rows, np.int32), np.zeros(d_rows, np.int32),
-                                np.zeros((d_rows, self.buckets.max_pages_per_seq), np.int32), np.zeros(d_rows, bool),
-                                SamplingArrays.empty(d_rows))))
+                self.mixed(MixedBatch(_idle_prefill(rows, length, max_pages),
+                                      _idle_decode(self.buckets.mixed_decode_rows, max_pages)))
                 n += 1
         jax.block_until_ready(self.kv)
         return n
+
+
+def _idle_decode(rows: int, pages: int) -> DecodeBatch:
+    """A warm-up decode batch of a padded shape: every row inactive (it writes only to the null page)."""
+    return DecodeBatch(np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.zeros((rows, pages), np.int32),
+                       np.zeros(rows, bool), SamplingArrays.empty(rows))
+
+
+def _idle_prefill(rows: int, length: int, pages: int) -> PrefillBatch:
+    """A warm-up prefill batch of a padded shape: every chunk empty (it writes only to the null page)."""
+    return PrefillBatch(np.zeros((rows, length), np.int32), np.zeros(rows, np.int32), np.zeros(rows, np.int32),
+                        np.zeros((rows, pages), np.int32), SamplingArrays.empty(rows))
 
 
 __all__ = ["DecodeBatch", "PrefillBatch", "MixedBatch", "StaticModel", "ScoreBatch", "decode_step", "prefill_step",
