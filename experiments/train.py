@@ -28,7 +28,7 @@ from typing import Any, Sequence
 from jaxopd import cli
 from jaxopd.cli import UsageError
 from jaxopd.methods.benchmarks import BenchmarkError, GeneratedCounts, resolve_source, subset
-from jaxopd.methods.config import METHODS, PRESETS, SFT_DEMONSTRATIONS, RunConfig, build_config
+from jaxopd.methods.config import METHODS, PRESETS, SFT_DEMONSTRATIONS, SFT_THINKING, RunConfig, build_config
 
 FLAG_FIELDS = ("benchmark", "games", "student", "teacher", "student_model_preset", "teacher_model_preset", "updates",
                "batch_size", "rollout_slots", "rollout_mode", "collection_tasks", "train_tasks", "checkpoint_every",
@@ -36,7 +36,7 @@ FLAG_FIELDS = ("benchmark", "games", "student", "teacher", "student_model_preset
                "learning_rate", "loss", "max_turns", "max_prompt_tokens", "max_train_tokens", "first_stage_tokens",
                "total_tokens", "second_stage_tokens", "fast_action_tokens", "temperature", "eval_split",
                "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "sft_demonstrations",
-               "max_supervised_tokens")
+               "sft_context_weight", "sft_thinking", "max_supervised_tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-demonstrations", default=None, choices=SFT_DEMONSTRATIONS,
                    help="what SFT imitates: the planner's walkthroughs (default) or ALFWorld's searching expert, "
                         "which looks for objects from what it has seen (its won episodes only)")
+    p.add_argument("--sft-context-weight", type=float, default=None,
+                   help="SFT: weight of a language-model term on the prompt tokens (softmax over the corpus "
+                        "vocabulary), beside the response's; 0 trains on the response only")
+    p.add_argument("--sft-thinking", default=None, choices=SFT_THINKING,
+                   help="SFT: what a demonstration thinks before its action: none (an empty thinking block, default) "
+                        "or state (ALFWorld: the goal object held or needed and the one in view, read from the prompt)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--rollout-slots", type=int, default=None)
     p.add_argument("--rollout-mode", default=None, choices=("async", "sync"),
@@ -282,7 +288,7 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
         print(f"SFT demonstrations: the {config.sft_demonstrations} won {len(references)} of {len(tasks)} "
               f"training games within {config.max_turns} turns; the other {len(failures)} are left out", flush=True)
     samples, stats = walkthrough_samples(references, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
-                                         benchmark=config.benchmark)
+                                         benchmark=config.benchmark, thinking=config.sft_thinking)
     steps = args.steps or sft_steps(len(samples), config.batch_size, config.sft_epochs)
     # project only the response positions: the longest walkthrough response, rounded up to 8
     supervised = -(-max(s.num_supervised for s in samples) // 8) * 8
@@ -303,7 +309,8 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
     model = train_sft(student, samples, out, steps=steps, batch_size=config.batch_size,
                       learning_rate=config.learning_rate, weight_decay=config.weight_decay,
                       max_grad_norm=config.max_grad_norm, seed=config.seed, max_train_tokens=config.max_train_tokens,
-                      max_supervised_tokens=supervised, checkpoint_every=config.checkpoint_every,
+                      max_supervised_tokens=supervised, context_lm_weight=config.sft_context_weight,
+                      checkpoint_every=config.checkpoint_every,
                       eval_every=config.eval_every, evaluate=evaluate, progress=progress)
     summary: dict[str, Any] = {"steps": steps, "samples": len(samples), "data": stats.as_dict(),
                                "demonstrations": {"kind": config.sft_demonstrations, "games": len(tasks),

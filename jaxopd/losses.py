@@ -468,29 +468,42 @@ def actionopd_loss(logp: chex.Array, behavior_logp: chex.Array, response_advanta
 # Supervised fine-tuning
 
 
-def sft_loss(logp: chex.Array, mask: chex.Array, *, aggregation: str = "token-mean"
-             ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Negative log-likelihood of the supervised (demonstration response) tokens.
+def sft_loss(logp: chex.Array, mask: chex.Array, *, aggregation: str = "token-mean",
+             context_logp: chex.Array | None = None, context_mask: chex.Array | None = None,
+             context_weight: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Negative log-likelihood of the supervised (demonstration response) tokens, plus an optional language-model
+    term on the context (prompt) tokens.
 
     The token loss is -log π_θ(y_k | context), aggregated over ``mask`` by ``aggregation``
     (``aggregate_token_loss``; the default token-mean is the cross-entropy per supervised token). Its
     gradient w.r.t. the logits of a supervised position is (softmax - onehot(y_k)) / N_tok under
     token-mean (at temperature 1).
 
+    With ``context_weight`` w > 0 the loss is ``response_loss + w * mean_{context_mask}(-context_logp)``: the
+    token-mean negative log-likelihood of the prompt tokens (the caller's ``context_logp``, e.g. under a
+    softmax restricted to the corpus vocabulary, ``jaxopd.train.step.context_log_probs``). It adds
+    supervision of what the prompt repeats (names of the room, the history), not a second target for the answer.
+
     Args:
       logp: ``[B, L]`` log π_θ of the demonstration tokens (differentiated), taken at temperature 1.
       mask: ``[B, L]`` 1 on the supervised response tokens; 0 on prompts and padding.
       aggregation: one of ``AGGREGATION_MODES``.
+      context_logp / context_mask: ``[B, L]`` log-probs of the context tokens and 1 where they count (both
+        needed when ``context_weight`` > 0).
+      context_weight: w >= 0.
 
     Returns:
-      ``(loss, metrics)``; metrics are token means over supervised tokens: ``nll`` (mean -logp, equal to
-      the loss under token-mean), ``perplexity`` (exp of ``nll``), ``token_prob_mean`` (mean π_θ of the
-      demonstration token), and ``supervised_tokens``.
+      ``(loss, metrics)``; metrics are token means over supervised tokens: ``nll`` (mean -logp of the response,
+      equal to the loss under token-mean without a context term), ``perplexity`` (exp of ``nll``),
+      ``token_prob_mean`` (mean π_θ of the demonstration token), and ``supervised_tokens``; with a context
+      term also ``context_nll`` and ``context_tokens``.
     """
     where = "sft_loss"
     _check_token_inputs(where, [logp], mask)
     if aggregation not in AGGREGATION_MODES:
         raise ValueError(f"{where}: aggregation must be one of {AGGREGATION_MODES}, got {aggregation!r}")
+    if not context_weight >= 0:
+        raise ValueError(f"{where}: context_weight must be >= 0, got {context_weight!r}")
     logp = _as_float(logp)
     loss = aggregate_token_loss(-logp, mask, aggregation)
     mask = _as_float(mask)
@@ -501,6 +514,15 @@ def sft_loss(logp: chex.Array, mask: chex.Array, *, aggregation: str = "token-me
         "token_prob_mean": _masked_mean(jnp.exp(_sg(logp)), mask),
         "supervised_tokens": jnp.sum(mask),
     }
+    if context_weight > 0:
+        if context_logp is None or context_mask is None:
+            raise ValueError(f"{where}: context_weight > 0 needs context_logp and context_mask")
+        _check_token_inputs(where, [context_logp], context_mask)
+        context_mask = _as_float(context_mask)
+        context_nll = _masked_mean(-_as_float(context_logp), context_mask)
+        loss = loss + context_weight * context_nll
+        metrics["context_nll"] = _sg(context_nll)
+        metrics["context_tokens"] = jnp.sum(context_mask)
     return loss, metrics
 
 

@@ -106,7 +106,8 @@ def test_episode_record_from_trajectory():
                             end_reason="max_turns")
     assert EpisodeRecord.from_trajectory(trajectory, 43) == EpisodeRecord(
         task_id="scienceworld/eval/boil-5", task_type="boil", seed=43, won=False, score=35.0, rounds=2,
-        end_reason="max_turns", split="eval")
+        end_reason="max_turns", split="eval", actions=("look around", ""),
+        feedback=("A kitchen.", "No known action matches that input."), answers=("", ""))
     won = trajectory.replace(turns=turns[:1] + (turns[1].replace(next_observation=obs("Boiled.", 2, 100.0, True)),),
                              end_reason="done")
     record = EpisodeRecord.from_trajectory(won, 44)
@@ -163,10 +164,15 @@ def test_evaluate_policy_end_to_end_with_a_scripted_engine(tok, alfworld):
     summary, records = evaluate_policy(engine, pool, tok, [task], seeds=(42, 43), rollout_config=config,
                                        greedy=True, progress=False)
     common = dict(task_id=task.task_id, task_type=task.task_type, split="valid_unseen")
+    won_feedback, won_answers = records[0].feedback, records[0].answers
+    assert len(won_feedback) == len(walkthrough) and all(won_feedback)
+    assert won_answers == tuple(full_text(action) for action in walkthrough)
     assert records == [
-        EpisodeRecord(**common, seed=42, won=True, score=1.0, rounds=len(walkthrough), end_reason="done"),
+        EpisodeRecord(**common, seed=42, won=True, score=1.0, rounds=len(walkthrough), end_reason="done",
+                      actions=tuple(walkthrough), feedback=won_feedback, answers=won_answers),
         EpisodeRecord(**common, seed=43, won=False, score=0.0, rounds=1,
-                      end_reason="error: RuntimeError: scripted failure"),
+                      end_reason="error: RuntimeError: scripted failure", actions=(walkthrough[0],),
+                      feedback=won_feedback[:1]),
     ]
     assert {s.request.params.temperature for s in engine.seen} == {0.0}              # greedy
     assert summary["overall"]["success_rate"] == {"mean": 0.5, "std": pytest.approx(math.sqrt(0.5)), "n": 2}
@@ -178,7 +184,10 @@ def test_evaluate_policy_end_to_end_with_a_scripted_engine(tok, alfworld):
     config = RolloutConfig(max_turns=3, max_prompt_tokens=4096, thinking_budget=BUDGET, temperature=0.4)
     summary, records = evaluate_policy(engine, pool, tok, [task], seeds=(44,), rollout_config=config,
                                        greedy=False, progress=False)
-    assert records == [EpisodeRecord(**common, seed=44, won=False, score=0.0, rounds=3, end_reason="max_turns")]
+    assert records[0].actions == ("look",) * 3 and len(records[0].feedback) == 3
+    assert records == [EpisodeRecord(**common, seed=44, won=False, score=0.0, rounds=3, end_reason="max_turns",
+                                     actions=("look",) * 3, feedback=records[0].feedback,
+                                     answers=(full_text("look"),) * 3)]
     assert {s.request.params.temperature for s in engine.seen} == {0.4} and len(engine.seen) == 3
     assert pool.trajectory(0).actions == ("look",) * 3
     assert summary["overall"]["mean_rounds"] == {"mean": 3.0, "std": None, "n": 1}

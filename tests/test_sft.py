@@ -153,19 +153,115 @@ def test_loss_from_log_probs_sft_ignores_behaviour_and_teacher_fields(micro):
     assert float(a) == float(b) == pytest.approx(float(-jnp.sum(logp * batch.loss_mask) / batch.loss_mask.sum()))
 
 
-def test_sft_train_steps_lower_the_nll(micro):
+def train_steps(micro, config, steps=4):
+    """The metrics of ``steps`` Adam steps of the sharded train step on the micro batch (one device)."""
     mesh = make_mesh(1, 1)
     optimizer = optax.adam(3e-2)
     state_shardings = train_state_shardings(micro["params"], optimizer, mesh)
     rows = batch_shardings(mesh)
-    step = make_train_step(micro["graphdef"], optimizer, LossConfig(kind="sft"), state_shardings, rows)
+    step = make_train_step(micro["graphdef"], optimizer, config, state_shardings, rows)
     state = init_train_state(micro["params"], optimizer, state_shardings)
     batch = place_batch(micro["batch"], rows)
-    nll = []
-    for _ in range(4):
+    history = []
+    for _ in range(steps):
         state, metrics = step(state, batch)
-        nll.append(float(metrics["loss"]))
+        history.append({name: float(value) for name, value in metrics.items()})
+    return history
+
+
+def test_sft_train_steps_lower_the_nll(micro):
+    nll = [m["loss"] for m in train_steps(micro, LossConfig(kind="sft"))]
     assert nll[-1] < nll[0] - 0.1, nll
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The context language-model term (LossConfig.context_lm_weight)
+# ----------------------------------------------------------------------------------------------------------
+def test_sft_loss_context_term_hand_computed():
+    context_logp = np.array([[0.0, -2.0, -4.0, 0.0],
+                             [0.0, -1.0, 0.0, 0.0]], np.float32)
+    context_mask = np.array([[0, 1, 1, 0],
+                             [0, 1, 0, 0]], bool)
+    loss, metrics = losses.sft_loss(LOGP, MASK, context_logp=context_logp, context_mask=context_mask,
+                                    context_weight=0.5)
+    response = (1.0 + 2.0 + 0.25 + 0.75) / 4
+    context = (2.0 + 4.0 + 1.0) / 3
+    assert float(loss) == pytest.approx(response + 0.5 * context)
+    assert float(metrics["nll"]) == pytest.approx(response)
+    assert float(metrics["context_nll"]) == pytest.approx(context)
+    assert float(metrics["context_tokens"]) == 3
+    plain, plain_metrics = losses.sft_loss(LOGP, MASK)
+    assert float(plain) == pytest.approx(response) and "context_nll" not in plain_metrics
+    with pytest.raises(ValueError, match="context_logp and context_mask"):
+        losses.sft_loss(LOGP, MASK, context_weight=1.0)
+    with pytest.raises(ValueError, match="context_weight"):
+        losses.sft_loss(LOGP, MASK, context_logp=context_logp, context_mask=context_mask, context_weight=-1.0)
+
+
+def test_context_lm_config_is_checked():
+    assert LossConfig(kind="sft", context_lm_weight=1.0, context_vocab=(1, 5, 9)).context_lm_weight == 1.0
+    with pytest.raises(ValueError, match="sft loss only"):
+        LossConfig(kind="opd", context_lm_weight=1.0, context_vocab=(1, 2))
+    with pytest.raises(ValueError, match="needs context_vocab"):
+        LossConfig(kind="sft", context_lm_weight=1.0)
+    with pytest.raises(ValueError, match="sorted"):
+        LossConfig(kind="sft", context_lm_weight=1.0, context_vocab=(5, 1))
+    with pytest.raises(ValueError, match="context_lm_weight must be >= 0"):
+        LossConfig(kind="sft", context_lm_weight=-0.1, context_vocab=(1,))
+
+
+def _restricted_reference(micro, vocab):
+    """Per row, float64 numpy: log softmax over ``vocab``'s columns of the full logits at each prompt token."""
+    forward = jax.jit(lambda p, t: nnx.merge(micro["graphdef"], p)(t))
+    rows = []
+    for sample in micro["samples"]:
+        logits = np.asarray(forward(micro["params"], jnp.asarray(sample.tokens)[None]))[0].astype(np.float64)
+        sub = logits[:, list(vocab)]
+        sub = sub - sub.max(-1, keepdims=True)
+        sub -= np.log(np.exp(sub).sum(-1, keepdims=True))
+        values = []
+        for t in range(1, len(sample)):
+            if not sample.loss_mask[t] and int(sample.tokens[t]) in vocab:
+                values.append(sub[t - 1, vocab.index(int(sample.tokens[t]))])
+        rows.append(values)
+    return rows
+
+
+@pytest.mark.parametrize("max_supervised_tokens", [None, 8])
+def test_batch_loss_with_context_term_matches_numpy_from_logits(micro, max_supervised_tokens):
+    from jaxopd.methods.sft import corpus_vocabulary
+    vocab = corpus_vocabulary(micro["samples"])
+    assert list(vocab) == sorted(set(np.concatenate([s.tokens for s in micro["samples"]]).tolist()))
+    # leave one id of a prompt out: its positions do not count
+    dropped = int(micro["samples"][0].tokens[2])
+    vocab = tuple(v for v in vocab if v != dropped)
+    config = LossConfig(kind="sft", context_lm_weight=0.3, context_vocab=vocab,
+                        max_supervised_tokens=max_supervised_tokens)
+    loss, metrics = jax.jit(lambda p, b: batch_loss(p, micro["graphdef"], b, config))(micro["params"], micro["batch"])
+    response = np.concatenate([-lp[s.loss_mask] for s, lp in zip(micro["samples"], micro["reference"])]).mean()
+    context_rows = _restricted_reference(micro, list(vocab))
+    context = -np.concatenate(context_rows).mean()
+    np.testing.assert_allclose(float(metrics["nll"]), response, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["context_nll"]), context, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), response + 0.3 * context, rtol=1e-5)
+    assert float(metrics["context_tokens"]) == sum(len(r) for r in context_rows)
+    # the restricted softmax over fewer ids gives each prompt token more probability than the full one
+    assert context < np.concatenate([-lp[~s.loss_mask][1:] for s, lp in zip(micro["samples"],
+                                                                           micro["reference"])]).mean()
+
+
+def test_context_term_trains_the_prompt_tokens_too(micro):
+    """Steps with the context term lower the prompt's restricted NLL; steps without it leave its gradient out."""
+    from jaxopd.methods.sft import corpus_vocabulary
+    vocab = corpus_vocabulary(micro["samples"])
+    with_context = LossConfig(kind="sft", context_lm_weight=1.0, context_vocab=vocab)
+    context_nll = [m["context_nll"] for m in train_steps(micro, with_context)]
+    assert context_nll[-1] < context_nll[0] - 0.1, context_nll
+    grad = jax.grad(lambda p: batch_loss(p, micro["graphdef"], micro["batch"], with_context)[0])(micro["params"])
+    plain = jax.grad(lambda p: batch_loss(p, micro["graphdef"], micro["batch"], LossConfig(kind="sft"))[0])(
+        micro["params"])
+    difference = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(plain)))
+    assert difference > 1e-4
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -349,3 +445,68 @@ def test_dataset_rejects_bad_arguments():
         list(dataset.batches(-1))
     with pytest.raises(ValueError):
         list(dataset.batches(0, start=3))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# State thinking (--sft-thinking state)
+# ----------------------------------------------------------------------------------------------------------
+def test_response_text_with_thinking_parses_back():
+    text = response_text("take mug 2 from countertop 1", "I need a mug. I see mug 2 here.")
+    assert text == "<think>\nI need a mug. I see mug 2 here.\n</think>\n\n<action>take mug 2 from countertop 1</action>"
+    assert extract_action(text) == "take mug 2 from countertop 1"
+    for bad in [" x", "x\n", "a</think>", "<action>"]:
+        with pytest.raises(ValueError, match="thinking"):
+            response_text("look", bad)
+
+
+def _inputs(instruction, steps, observation):
+    """PromptInputs after ``steps`` [(action, the engine's answer)], starting in the room description."""
+    from jaxopd.rollout.prompts import PromptInputs
+    observations = ["You are in the middle of a room."] + [answer for _, answer in steps]
+    history = [(observations[i], action) for i, (action, _) in enumerate(steps)]
+    return PromptInputs(benchmark="alfworld", instruction=instruction, history=history,
+                        observation=observation if not steps else observations[-1], admissible_actions=("look",))
+
+
+def test_state_thinking_by_hand():
+    pytest.importorskip("alfworld")
+    from jaxopd.methods.sft_data import state_thinking
+    cool = "Your task is to: cool some mug and put it in cabinet."
+    assert state_thinking(_inputs(cool, [], "You are in the middle of a room.")) == "I need a mug."
+    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2, a mug 1.")]
+    assert state_thinking(_inputs(cool, seen, "")) == "I need a mug. I see mug 2 here."
+    held = seen + [("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1.")]
+    assert state_thinking(_inputs(cool, held, "")) == "I hold mug 2."
+    cooled = held + [("cool mug 2 with fridge 1", "You cool the mug 2 using the fridge 1.")]
+    assert state_thinking(_inputs(cool, cooled, "")) == "I hold mug 2, now cool."
+    two = "Your task is to: put two vase in shelf."
+    placed = [("take vase 1 from sidetable 1", "You pick up the vase 1 from the sidetable 1."),
+              ("move vase 1 to shelf 1", "You move the vase 1 to the shelf 1.")]
+    assert state_thinking(_inputs(two, placed, "")) == "1 of 2 placed. I need a vase."
+    look = "Your task is to: look at cd under the desklamp."
+    lamp = [("take cd 1 from desk 1", "You pick up the cd 1 from the desk 1."),
+            ("go to sidetable 1", "You arrive at sidetable 1. On the sidetable 1, you see a desklamp 1.")]
+    assert state_thinking(_inputs(look, lamp, "")) == "I hold cd 1. I see desklamp 1 here."
+    with pytest.raises(ValueError, match="no ALFWorld task type"):
+        state_thinking(_inputs("Your task is to: dance.", [], "x"))
+
+
+def test_walkthrough_samples_with_state_thinking(alfworld, tok):
+    from jaxopd.methods.sft_data import state_thinking
+    _, _, reference = alfworld
+    samples, stats = walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="state")
+    plain, _ = walkthrough_samples([reference], tok, max_prompt_tokens=2048)
+    turns = walkthrough_turns(reference)
+    assert len(samples) == len(plain) == len(turns) and stats.samples == len(turns)
+    for sample, plain_sample, turn in zip(samples, plain, turns):
+        prompt_length = int(np.argmax(sample.loss_mask))
+        assert list(sample.tokens[:prompt_length]) == list(plain_sample.tokens[:prompt_length])   # same prompt
+        thought = state_thinking(turn.inputs)
+        assert thought.startswith(("I need a ", "I hold ", "1 of 2 placed."))
+        response = tok.decode(sample.tokens[prompt_length:-1])
+        assert response == response_text(turn.action, thought)
+        assert extract_action(response) == turn.action
+        assert int(sample.tokens[-1]) == tok.eos_token_id
+    assert stats.response_tokens > sum(s.num_supervised for s in plain)
+    with pytest.raises(ValueError, match="unknown SFT thinking"):
+        walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="chain")

@@ -81,3 +81,15 @@ def test_sft_demonstrations(tmp_path):
                     "--sft-demonstrations", "oracle")
     assert_one_line(run_cli("--method", "sft", "--benchmark", "scienceworld", "--sft-demonstrations",
                             "searching-expert", "--out", str(tmp_path)), "searching expert plays ALFWorld only")
+
+
+def test_sft_context_weight_must_not_be_negative(tmp_path):
+    assert_one_line(run_cli("--method", "sft", "--sft-context-weight", "-0.5", "--out", str(tmp_path)),
+                    "sft_context_weight")
+
+
+def test_sft_thinking_values(tmp_path):
+    assert_one_line(run_cli("--method", "sft", "--sft-thinking", "chain", "--out", str(tmp_path)),
+                    "--sft-thinking", "chain")
+    assert_one_line(run_cli("--method", "sft", "--benchmark", "scienceworld", "--sft-thinking", "state",
+                            "--out", str(tmp_path)), "state thinking reads ALFWorld prompts")

@@ -18,6 +18,9 @@ METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallbac
            "actfirst-prefix-replay-100", "sti", "actionopd", "sft")
 PRESETS = ("cpu", "gpu", "paper")
 ROLLOUT_MODES = ("async", "sync")
+SFT_THINKING = ("none", "state")
+"""What an SFT demonstration thinks before its action: ``none`` (Qwen3's empty thinking block) or ``state`` (ALFWorld:
+a short reasoning over what the prompt shows, ``jaxopd.methods.sft_data.state_thinking``)."""
 SFT_DEMONSTRATIONS = {"walkthrough": "solution", "searching-expert": "searching_expert"}
 """What SFT imitates, each with the ``envs.references`` kind of its references: the planner's walkthrough (it knows
 where everything lies; ScienceWorld's gold path), or ALFWorld's searching expert (``envs.alfworld_expert``: it looks
@@ -97,9 +100,12 @@ class RunConfig:
     eval_seeds: tuple[int, ...] = (42, 43, 44)
     eval_greedy: bool = False
     eval_temperature: float = 0.4            # ActFirst-OPD App. C: evaluation samples at 0.4
-    # SFT (the teacher): epochs over the demonstration turns, and which demonstrations (SFT_DEMONSTRATIONS)
+    # SFT (the teacher): epochs over the demonstration turns, which demonstrations (SFT_DEMONSTRATIONS), and the
+    # weight of the language-model term on the prompt tokens (0: the response only)
     sft_epochs: float = 3.0
     sft_demonstrations: str = "walkthrough"
+    sft_context_weight: float = 0.0          # > 0: a language-model term on the prompt tokens too (sft.train_sft)
+    sft_thinking: str = "none"               # SFT_THINKING
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -113,6 +119,11 @@ class RunConfig:
         if self.sft_demonstrations not in SFT_DEMONSTRATIONS:
             raise ValueError(f"unknown SFT demonstrations {self.sft_demonstrations!r}; expected one of "
                              f"{tuple(SFT_DEMONSTRATIONS)}")
+        if self.sft_thinking not in SFT_THINKING:
+            raise ValueError(f"unknown SFT thinking {self.sft_thinking!r}; expected one of {SFT_THINKING}")
+        if self.sft_thinking == "state" and self.benchmark != "alfworld":
+            raise ValueError("state thinking reads ALFWorld prompts; ScienceWorld SFT thinks nothing (sft_thinking "
+                             "'none')")
         if self.sft_demonstrations == "searching-expert" and self.benchmark != "alfworld":
             raise ValueError("the searching expert plays ALFWorld only; ScienceWorld SFT uses walkthrough (gold "
                              "path) demonstrations")
@@ -136,7 +147,8 @@ class RunConfig:
         for name in ("learning_rate", "max_grad_norm", "clip_eps", "dual_clip", "sft_epochs"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RunConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("temperature", "eval_temperature", "teacher_temperature", "weight_decay", "match_bonus_scale"):
+        for name in ("temperature", "eval_temperature", "teacher_temperature", "weight_decay", "match_bonus_scale",
+                     "sft_context_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"RunConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("top_p", "teacher_top_p"):
@@ -196,15 +208,16 @@ METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 # Preset sizing. ``paper`` is the papers' setting; ``gpu`` one GPU; ``cpu`` a 2-core machine (tiny models,
-# short responses, a few updates); each also names the models a run uses without checkpoint folders.
+# short responses, a few updates; its thinking budget, 48 of 64 tokens, holds the state thinking of the SFT
+# teacher, whose longest response is 44 tokens); each also names the models a run uses without checkpoint folders.
 PRESET_OVERRIDES: dict[str, dict[str, Any]] = {
     "paper": {},
     "gpu": {"rollout_slots": 16, "max_prompt_tokens": 4096, "max_train_tokens": 5120, "updates": 100,
             "student_model_preset": "qwen3-0.6b", "teacher_model_preset": "qwen3-1.7b", "eval_tasks": 134},
     "cpu": {"rollout_slots": 4, "batch_size": 16, "collection_tasks": 4, "updates": 20, "checkpoint_every": 5,
-            "max_prompt_tokens": 1024, "max_train_tokens": 1152, "first_stage_tokens": 24, "total_tokens": 48,
+            "max_prompt_tokens": 1024, "max_train_tokens": 1152, "first_stage_tokens": 48, "total_tokens": 64,
             "second_stage_tokens": 16, "fast_action_tokens": 24, "max_turns": 20, "logits_chunk_size": None,
-            "max_supervised_tokens": 64,
+            "max_supervised_tokens": 80,
             "student_model_preset": "tiny", "teacher_model_preset": "tiny", "eval_tasks": 12,
             "learning_rate": 1e-5},
 }
@@ -229,5 +242,5 @@ def build_config(method: str, *, preset: str = "paper", **overrides: Any) -> Run
     return RunConfig(method=method, preset=preset, **values)
 
 
-__all__ = ["METHODS", "PRESETS", "ROLLOUT_MODES", "SFT_DEMONSTRATIONS", "RunConfig", "METHOD_DEFAULTS",
+__all__ = ["METHODS", "PRESETS", "ROLLOUT_MODES", "SFT_DEMONSTRATIONS", "SFT_THINKING", "RunConfig", "METHOD_DEFAULTS",
            "PRESET_OVERRIDES", "build_config"]

@@ -46,7 +46,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from envs.base import Task
 from jaxopd.rollout.strategies.base import Episode, RolloutConfig
 from jaxopd.rollout.strategies.vanilla import VanillaStrategy
-from jaxopd.rollout.trajectory import Trajectory
+from jaxopd.rollout.trajectory import Trajectory, Turn
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ ALFWORLD_TASK_TYPES = {"pick_and_place_simple": "Pick", "look_at_obj_in_light": 
 OUTPUT_FILES = ("evaluation.json", "evaluation.md", "episodes.csv", "success_by_task_type.png")
 CURVE_FILES = ("success_vs_update.png", "success_vs_wallclock.png")
 ERROR_PREFIX = "error: "
+_TRANSCRIPT_FIELDS = ("actions", "feedback", "answers")     # per-round lists: in evaluation.json only
 
 
 # ----------------------------------------------------------------------------------------------- records
@@ -71,7 +72,10 @@ ERROR_PREFIX = "error: "
 class EpisodeRecord:
     """One evaluation episode: a task played once under one seed. ``rounds``: the executed turns (invalid attempts
     included); ``end_reason``: the trajectory's (``trajectory.END_REASONS``) or ``"error: ..."`` for an episode that
-    raised (then ``won`` is False and ``score`` the last one the environment reported). ``split``: the task's."""
+    raised (then ``won`` is False and ``score`` the last one the environment reported). ``split``: the task's.
+    ``actions`` / ``feedback`` / ``answers``: the executed action of each round, the environment's answer to it
+    and the model's response text that chose it, thinking included (the transcript a reader checks the agent by;
+    in ``evaluation.json``, not in the CSV)."""
 
     task_id: str
     task_type: str
@@ -81,12 +85,18 @@ class EpisodeRecord:
     rounds: int
     end_reason: str
     split: str = ""
+    actions: tuple[str, ...] = ()
+    feedback: tuple[str, ...] = ()
+    answers: tuple[str, ...] = ()
 
     @classmethod
     def from_trajectory(cls, trajectory: Trajectory, seed: int) -> "EpisodeRecord":
         return cls(task_id=trajectory.task.task_id, task_type=trajectory.task.task_type, seed=int(seed),
                    won=bool(trajectory.won), score=float(trajectory.score), rounds=int(trajectory.num_turns),
-                   end_reason=str(trajectory.end_reason), split=trajectory.task.split)
+                   end_reason=str(trajectory.end_reason), split=trajectory.task.split,
+                   actions=tuple(turn.action for turn in trajectory.turns),
+                   feedback=tuple(turn.next_observation.text for turn in trajectory.turns),
+                   answers=tuple(_choosing_text(turn) for turn in trajectory.turns))
 
     @property
     def failed_with_error(self) -> bool:
@@ -182,13 +192,23 @@ class _EvalVanilla(VanillaStrategy):
         self._live[episode.slot] = episode
 
 
+def _choosing_text(turn: Turn) -> str:
+    """The text of the response that chose a turn's action (its action request's, else its full response's)."""
+    responses = turn.action_responses or turn.responses
+    return responses[0].text if responses else ""
+
+
 def _error_record(task: Task, seed: int, error: BaseException, episode: Episode | None) -> EpisodeRecord:
     message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-    rounds, score = 0, 0.0
+    rounds, score, actions, feedback = 0, 0.0, (), ()
     if episode is not None and episode.task.task_id == task.task_id:
         rounds, score = len(episode.steps), float(episode.observation.score)
+        actions = tuple(action for _, action in episode.history)
+        feedback = tuple(observation for observation, _ in episode.history[1:])
+        feedback += (episode.observation.text,) if episode.history else ()
     return EpisodeRecord(task_id=task.task_id, task_type=task.task_type, seed=int(seed), won=False, score=score,
-                         rounds=rounds, end_reason=f"{ERROR_PREFIX}{message}", split=task.split)
+                         rounds=rounds, end_reason=f"{ERROR_PREFIX}{message}", split=task.split, actions=actions,
+                         feedback=feedback)
 
 
 def evaluate_policy(engine: Any, source_or_pool: Any, tokenizer: Any, tasks: Sequence[Task], *,
@@ -367,11 +387,11 @@ def write_evaluation(out_dir: str | Path, summary: Mapping[str, Any] | Sequence[
         md += ["## Departures from the paper's evaluation protocol", ""] + [f"- {d}" for d in departures] + [""]
     paths[1].write_text("\n".join(md))
     with paths[2].open("w", newline="") as handle:
-        fields = [f.name for f in dataclasses.fields(EpisodeRecord)]
+        fields = [f.name for f in dataclasses.fields(EpisodeRecord) if f.name not in _TRANSCRIPT_FIELDS]
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         for r in records:
-            writer.writerow(r.as_dict())
+            writer.writerow({name: value for name, value in r.as_dict().items() if name in fields})
     _plot_task_types(summaries, paths[3])
     return paths
 

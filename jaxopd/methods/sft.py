@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxopd.methods.loop import batch_length
@@ -28,7 +29,13 @@ from jaxopd.train.step import (LossConfig, OptimizerConfig, abstract_train_state
                                check_supervised_fit, init_train_state, make_optimizer, make_train_step, place_batch,
                                train_state_shardings)
 
-__all__ = ["train_sft", "sft_steps"]
+__all__ = ["train_sft", "sft_steps", "corpus_vocabulary"]
+
+
+def corpus_vocabulary(samples: Sequence[Sample]) -> tuple[int, ...]:
+    """The sorted token ids that occur in ``samples``: the sub-vocabulary of the context language-model term."""
+    ids = np.unique(np.concatenate([np.asarray(s.tokens, np.int64) for s in samples]))
+    return tuple(int(i) for i in ids)
 
 
 def sft_steps(num_samples: int, batch_size: int, epochs: float) -> int:
@@ -38,10 +45,14 @@ def sft_steps(num_samples: int, batch_size: int, epochs: float) -> int:
 
 def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLike, *, steps: int, batch_size: int,
               learning_rate: float, weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0,
-              max_train_tokens: int = 2048, max_supervised_tokens: int | None = 64, checkpoint_every: int = 50,
+              max_train_tokens: int = 2048, max_supervised_tokens: int | None = 64, context_lm_weight: float = 0.0,
+              checkpoint_every: int = 50,
               eval_every: int = 0, evaluate: Callable[[Qwen3, int], Mapping[str, Any]] | None = None,
               progress: bool = True, tensorboard: bool = True, log: Callable[[str], None] = print) -> Qwen3:
     """Trains ``model`` for ``steps`` steps of ``batch_size`` samples; returns the model with the trained weights.
+
+    ``context_lm_weight`` > 0 adds the language-model term on the prompt tokens (``LossConfig.context_lm_weight``)
+    over the corpus vocabulary of ``samples`` (:func:`corpus_vocabulary`).
 
     Resumes from ``out_dir/checkpoints`` when it holds a checkpoint (the data order continues exactly).
     ``evaluate(model, step)`` runs before training (step 0, fresh runs only), every ``eval_every`` steps and at
@@ -56,7 +67,9 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dataset = SFTDataset(samples, batch_size, seed=seed)
-    loss_config = LossConfig(kind="sft", temperature=1.0, max_supervised_tokens=max_supervised_tokens)
+    loss_config = LossConfig(kind="sft", temperature=1.0, max_supervised_tokens=max_supervised_tokens,
+                             context_lm_weight=context_lm_weight,
+                             context_vocab=corpus_vocabulary(samples) if context_lm_weight > 0 else None)
     meshes = build_meshes(RolePlan.for_device_count(len(jax.devices())))
     graphdef, params = nnx.split(model, nnx.Param)
     optimizer = make_optimizer(OptimizerConfig(learning_rate=learning_rate, weight_decay=weight_decay,

@@ -4,8 +4,9 @@ A demonstration is a validated ``envs.references.ReferenceTrajectory``: the plan
 searching expert's won episode (``config.SFT_DEMONSTRATIONS`` maps ``RunConfig.sft_demonstrations`` to the kind).
 The functions below say "walkthrough" for either.
 
-Owns the teacher's target answer for one turn (:func:`response_text`: Qwen3's empty thinking block and the
-``<action>`` tag, what the rollout's full think-then-act mode parses), the per-turn prompt inputs of a
+Owns the teacher's target answer for one turn (:func:`response_text`: Qwen3's thinking block, empty or holding
+:func:`state_thinking`'s reasoning over what the prompt shows, and the ``<action>`` tag, what the rollout's full
+think-then-act mode parses), the per-turn prompt inputs of a
 reference trajectory built exactly as a live rollout builds them (:func:`walkthrough_turns`, mirroring
 ``RolloutStrategy.prompt_inputs``, so an SFT prompt is byte-identical to the prompt the agent sees at that
 state), their tokenisation into ``train.buffer.Sample`` records under the rollout's prompt budget
@@ -24,11 +25,12 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from envs.references import ReferenceTrajectory
+from jaxopd.methods.config import SFT_THINKING
 from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, render_prompt
 from jaxopd.rollout.tags import ACTION_END, ACTION_START, THINK_END, THINK_START
 from jaxopd.train.buffer import Sample
 
-__all__ = ["SFT_MODE", "response_text", "WalkthroughTurn", "walkthrough_turns", "WalkthroughStats",
+__all__ = ["SFT_MODE", "response_text", "state_thinking", "WalkthroughTurn", "walkthrough_turns", "WalkthroughStats",
            "walkthrough_samples", "SFTDataset"]
 
 SFT_MODE = "full"
@@ -36,21 +38,61 @@ SFT_MODE = "full"
 prompt ends at the open assistant turn (thinking on), so the response starts with ``<think>``."""
 
 
-def response_text(action: str) -> str:
-    """The teacher's answer for one turn: an empty thinking block followed by the action tag.
+def response_text(action: str, thinking: str = "") -> str:
+    """The teacher's answer for one turn: a thinking block followed by the action tag.
 
-    ``<think>\\n\\n</think>\\n\\n<action>{action}</action>``: what Qwen3's chat template writes for an assistant
-    turn without reasoning, and what ``jaxopd.rollout.actions.extract_action`` parses back to ``action``. The
-    end-of-turn token (``<|im_end|>``, the tokenizer's ``eos_token_id``) follows it in a sample's ids.
+    Without ``thinking``: ``<think>\\n\\n</think>\\n\\n<action>{action}</action>``, what Qwen3's chat template
+    writes for an assistant turn without reasoning; with it, ``<think>\\n{thinking}\\n</think>\\n\\n<action>…``.
+    ``jaxopd.rollout.actions.extract_action`` parses either back to ``action``. The end-of-turn token
+    (``<|im_end|>``, the tokenizer's ``eos_token_id``) follows it in a sample's ids.
     """
     if not isinstance(action, str):
         raise ValueError(f"response_text expects a str action, got {type(action).__name__}")
     if not action.strip() or action != action.strip():
         raise ValueError(f"the action must be non-empty and carry no surrounding whitespace, got {action!r}")
+    if not isinstance(thinking, str) or thinking != thinking.strip():
+        raise ValueError(f"thinking must be a str without surrounding whitespace, got {thinking!r}")
     for tag in (THINK_START, THINK_END, ACTION_START, ACTION_END):
         if tag in action:
             raise ValueError(f"the action {action!r} contains the tag {tag!r}")
-    return f"{THINK_START}\n\n{THINK_END}\n\n{ACTION_START}{action}{ACTION_END}"
+        if tag in thinking:
+            raise ValueError(f"the thinking {thinking!r} contains the tag {tag!r}")
+    thought = f"\n{thinking}\n" if thinking else "\n\n"
+    return f"{THINK_START}{thought}{THINK_END}\n\n{ACTION_START}{action}{ACTION_END}"
+
+
+def state_thinking(inputs: PromptInputs) -> str:
+    """A short reasoning over what the prompt shows, for ALFWorld demonstrations (``--sft-thinking state``).
+
+    Read by ``envs.alfworld_state`` from the instruction, the executed actions with the engine's answers (the
+    full history h_t) and the current observation: the goal object held (and whether it is already clean, hot or
+    cool), or the object still needed and the first one in view; for two-object tasks how many are in place; for
+    look tasks the lamp in view once the object is held. E.g. ``"I need a apple. I see apple 4 here."``. It is
+    written by this rule, not by a model; it gives the demonstration a state to reason from and ActFirst-OPD
+    thinking to skip. ``ValueError`` for an instruction of none of the six task types.
+    """
+    from envs.alfworld_state import parse_goal, task_state
+
+    if inputs.benchmark != "alfworld":
+        raise ValueError(f"state thinking reads ALFWorld prompts, not {inputs.benchmark}")
+    goal = parse_goal(inputs.instruction)
+    if goal is None:
+        raise ValueError(f"no ALFWorld task type matches the instruction {inputs.instruction!r}")
+    actions = [action for _, action in inputs.history]
+    answers = [observation for observation, _ in inputs.history[1:]] + ([inputs.observation] if inputs.history else [])
+    state = task_state(goal, actions, answers, inputs.observation)
+    parts = []
+    if goal.count > 1 and state.placed:
+        parts.append(f"{state.placed} of {goal.count} placed.")
+    if state.held:
+        parts.append(f"I hold {state.held}" + (f", now {goal.change}." if state.changed else "."))
+        if state.lamps_in_view:
+            parts.append(f"I see {state.lamps_in_view[0]} here.")
+    else:
+        parts.append(f"I need a {goal.obj}.")
+        if state.in_view:
+            parts.append(f"I see {state.in_view[0]} here.")
+    return " ".join(parts)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -160,19 +202,22 @@ def _reference_list(references: Mapping[str, ReferenceTrajectory] | Iterable[Ref
 
 
 def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable[ReferenceTrajectory], tokenizer,
-                        *, max_prompt_tokens: int, benchmark: str = "alfworld"
+                        *, max_prompt_tokens: int, benchmark: str = "alfworld", thinking: str = "none"
                         ) -> tuple[list[Sample], WalkthroughStats]:
     """Every walkthrough turn of ``references`` as an SFT sample, and the counts.
 
     A sample's ids are the full-mode prompt, rendered by ``render_prompt`` under ``max_prompt_tokens`` exactly
     as a rollout renders it (oldest history pairs dropped first), followed by the ids of
-    :func:`response_text` of the turn's action and the tokenizer's end-of-turn token (``<|im_end|>``).
+    :func:`response_text` of the turn's action (thinking: ``SFT_THINKING``, ``state`` writes :func:`state_thinking`
+    of the turn's inputs into the thinking block) and the tokenizer's end-of-turn token (``<|im_end|>``).
     ``loss_mask`` is True exactly on those response ids; ``behavior_logp`` is zeros and ``policy_version`` 0.
     A turn whose prompt does not fit even without history is skipped and counted in ``stats.skipped``.
 
     ``references``: a sequence of ``ReferenceTrajectory`` or a mapping of them (``load_references``); samples
     come in that order, turns in order within a reference.
     """
+    if thinking not in SFT_THINKING:
+        raise ValueError(f"unknown SFT thinking {thinking!r}; expected one of {SFT_THINKING}")
     stats = WalkthroughStats()
     samples: list[Sample] = []
     end_of_turn = int(tokenizer.eos_token_id)
@@ -185,7 +230,8 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
             except PromptOverBudget:
                 stats.skipped += 1
                 continue
-            response = list(tokenizer.encode(response_text(turn.action))) + [end_of_turn]
+            thought = state_thinking(turn.inputs) if thinking == "state" else ""
+            response = list(tokenizer.encode(response_text(turn.action, thought))) + [end_of_turn]
             prompt_ids = list(prompt.token_ids)
             length = len(prompt_ids) + len(response)
             loss_mask = np.zeros(length, bool)

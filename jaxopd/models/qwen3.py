@@ -314,6 +314,13 @@ class Qwen3(nnx.Module):
             return jnp.einsum("...D,VD->...V", hidden, self.embedding_vd[...], preferred_element_type=jnp.float32)
         return jnp.einsum("...D,DV->...V", hidden, self.lm_head_dv[...], preferred_element_type=jnp.float32)
 
+    def head_rows(self, vocab_ids: Array) -> Array:
+        """The ``[D, V']`` columns of the output head for the token ids ``vocab_ids`` ``[V']``: logits restricted to a
+        sub-vocabulary are ``logits(hidden, head_dv=head_rows(ids))`` (tied or not)."""
+        if self.config.tie_word_embeddings:
+            return jnp.take(self.embedding_vd[...], vocab_ids, axis=0).T
+        return jnp.take(self.lm_head_dv[...], vocab_ids, axis=1)
+
     def __call__(self, tokens: Array, positions: Array | None = None,
                  attention_mask: Array | None = None) -> Array:
         """Dense causal forward: ``tokens`` ``[B, T]`` → float32 logits ``[B, T, V]``.

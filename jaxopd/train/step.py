@@ -94,6 +94,10 @@ class LossConfig:
     to the responses (a turn-level sample is mostly prompt). A batch with a row of more supervised tokens is a
     ``ValueError`` (:func:`check_supervised_fit`).
 
+    ``context_lm_weight`` (``sft`` only) adds a language-model term on the prompt tokens, weighted by it, under
+    the softmax restricted to ``context_vocab`` (sorted token ids, e.g. every id of the SFT corpus; see
+    :func:`context_log_probs`): many times the response's supervision from the same forward pass.
+
     ``kind="sft"`` trains on the likelihood of the demonstration itself, not on sampled tokens: an SFT
     config should use ``temperature=1.0`` (the default), so that the model learns the plain softmax it
     later samples from; the temperature is applied like for every other kind if set otherwise. The
@@ -108,6 +112,8 @@ class LossConfig:
     temperature: float = ROLLOUT_TEMPERATURE
     logits_chunk_size: int | None = None
     max_supervised_tokens: int | None = None
+    context_lm_weight: float = 0.0
+    context_vocab: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -124,6 +130,17 @@ class LossConfig:
         if self.max_supervised_tokens is not None and self.max_supervised_tokens < 1:
             raise ValueError(f"LossConfig.max_supervised_tokens must be positive or None, got "
                              f"{self.max_supervised_tokens}")
+        if not self.context_lm_weight >= 0:
+            raise ValueError(f"LossConfig.context_lm_weight must be >= 0, got {self.context_lm_weight!r}")
+        if self.context_lm_weight > 0:
+            if self.kind != "sft":
+                raise ValueError(f"LossConfig.context_lm_weight applies to the sft loss only, not {self.kind!r}")
+            vocab = self.context_vocab
+            if not vocab or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in vocab):
+                raise ValueError("LossConfig.context_lm_weight > 0 needs context_vocab: a non-empty tuple of "
+                                 "token ids")
+            if list(vocab) != sorted(set(vocab)):
+                raise ValueError("LossConfig.context_vocab must be sorted and hold each token id once")
 
     @classmethod
     def for_rollout(cls, *sampling: Any, **fields: Any) -> "LossConfig":
@@ -271,6 +288,11 @@ def supervised_log_probs(model: Qwen3, tokens: jax.Array, positions: jax.Array, 
     :func:`check_supervised_fit`); further ones would read 0.
     """
     hidden, _ = model.hidden_states(tokens, positions, dense_causal_attend(positions, attention_mask))
+    return _supervised_from_hidden(model, hidden, tokens, loss_mask, max_supervised_tokens, temperature)
+
+
+def _supervised_from_hidden(model: Qwen3, hidden: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
+                            max_supervised_tokens: int, temperature: float) -> jax.Array:
     batch, length = tokens.shape
     width = min(int(max_supervised_tokens), length)
     mask = loss_mask.astype(bool)
@@ -281,6 +303,30 @@ def supervised_log_probs(model: Qwen3, tokens: jax.Array, positions: jax.Array, 
     values = jnp.where(valid, token_log_probs(model.logits(context), targets, temperature), 0.0)
     rows = jnp.arange(batch)[:, None]
     return jnp.zeros((batch, length), values.dtype).at[rows, order].add(values)
+
+
+def context_log_probs(model: Qwen3, hidden: jax.Array, tokens: jax.Array, attention_mask: jax.Array,
+                      loss_mask: jax.Array, vocab_ids: Any) -> tuple[jax.Array, jax.Array]:
+    """Log-probabilities of the context (prompt) tokens under the softmax restricted to ``vocab_ids``.
+
+    ``hidden``: the final hidden states ``[B, T, D]`` of ``tokens``; ``vocab_ids``: sorted token ids ``[V']``.
+    Returns ``(logp, mask)``, both ``[B, T]``: at position t >= 1, log softmax(h_{t-1} · E[vocab_ids])[index of
+    tokens[t]], and mask True where t is a real token outside ``loss_mask`` whose id lies in ``vocab_ids``
+    (position 0, padding, supervised and out-of-vocabulary tokens read 0 with mask False). Restricted to
+    a corpus vocabulary of a few thousand ids the projection costs a fraction of the full one over 151,936 rows,
+    so every prompt position can be trained.
+    """
+    vocab = jnp.asarray(vocab_ids, jnp.int32)
+    index = jnp.full((model.config.vocab_size,), -1, jnp.int32).at[vocab].set(jnp.arange(vocab.shape[0],
+                                                                                          dtype=jnp.int32))
+    targets = index[tokens[:, 1:]]
+    mask = (attention_mask[:, 1:].astype(bool) & attention_mask[:, :-1].astype(bool)
+            & jnp.logical_not(loss_mask[:, 1:].astype(bool)) & (targets >= 0))
+    logits = model.logits(hidden[:, :-1], head_dv=model.head_rows(vocab))
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), jnp.maximum(targets, 0)[..., None],
+                               axis=-1)[..., 0]
+    logp = jnp.where(mask, logp, 0.0)
+    return jnp.pad(logp, ((0, 0), (1, 0))), jnp.pad(mask, ((0, 0), (1, 0)))
 
 
 def check_supervised_fit(loss_mask: Any, max_supervised_tokens: int | None) -> None:
@@ -326,8 +372,28 @@ def batch_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: TrainBatch, con
                ) -> tuple[jax.Array, Metrics]:
     """Loss and metrics of ``batch`` under the student ``params`` (a pure function: differentiate it)."""
     model = nnx.merge(graphdef, params)
+    if config.context_lm_weight > 0:
+        return _sft_with_context_loss(model, batch, config)
     logp = model_log_probs(model, batch.tokens, batch.positions, batch.attention_mask, batch.loss_mask, config)
     loss, metrics = loss_from_log_probs(logp, batch, config)
+    return loss, dict(metrics)
+
+
+def _sft_with_context_loss(model: Qwen3, batch: TrainBatch, config: LossConfig) -> tuple[jax.Array, Metrics]:
+    """The ``sft`` loss with its context term: one forward pass gives the response and the prompt log-probs."""
+    hidden, _ = model.hidden_states(batch.tokens, batch.positions,
+                                    dense_causal_attend(batch.positions, batch.attention_mask))
+    if config.max_supervised_tokens is not None:
+        logp = _supervised_from_hidden(model, hidden, batch.tokens, batch.loss_mask, config.max_supervised_tokens,
+                                       config.temperature)
+    else:
+        logp = token_log_probs(model.logits(hidden[:, :-1]), batch.tokens[:, 1:], config.temperature)
+        logp = jnp.pad(jnp.where(batch.attention_mask[:, 1:].astype(bool), logp, 0.0), ((0, 0), (1, 0)))
+    context_logp, context_mask = context_log_probs(model, hidden, batch.tokens, batch.attention_mask,
+                                                   batch.loss_mask, config.context_vocab)
+    loss, metrics = losses.sft_loss(logp, batch.loss_mask, aggregation=config.resolved_aggregation,
+                                    context_logp=context_logp, context_mask=context_mask,
+                                    context_weight=config.context_lm_weight)
     return loss, dict(metrics)
 
 
@@ -423,6 +489,6 @@ def score_batch(scorer: TeacherScorer, teacher_params: nnx.State, batch: TrainBa
 
 __all__ = ["OptimizerConfig", "make_optimizer", "LOSS_KINDS", "LossConfig", "TrainState", "replicated",
            "train_state_shardings", "abstract_train_state", "init_train_state", "batch_shardings", "place_batch",
-           "sequence_log_probs", "supervised_log_probs", "check_supervised_fit", "model_log_probs",
+           "sequence_log_probs", "supervised_log_probs", "context_log_probs", "check_supervised_fit", "model_log_probs",
            "loss_from_log_probs", "batch_loss", "make_train_step",
            "TeacherScorer", "make_teacher_scorer", "score_batch"]
