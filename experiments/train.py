@@ -185,7 +185,9 @@ def make_evaluator(config: RunConfig, source: Any, tokenizer: Any, out: Path, pr
 
 def held_out_divergence(config: RunConfig, source: Any, tokenizer: Any, student: Any, teacher: Any, trainer: Any):
     """``fn() -> float``: the current student's exact reverse KL to the teacher on the walkthrough turns of the
-    evaluation games (held-out states: no training task is among them), at the rollout temperature."""
+    evaluation games (held-out states: no training task is among them), at the rollout temperature. The turns'
+    answers think as ``config.sft_thinking`` says: a teacher SFT'd with state thinking is measured on answers in
+    its own format."""
     from flax import nnx
 
     from jaxopd.methods.benchmarks import references_for
@@ -196,7 +198,8 @@ def held_out_divergence(config: RunConfig, source: Any, tokenizer: Any, student:
         return None
     tasks = subset(source.tasks(config.resolved_eval_split), config.eval_tasks, seed=0)
     references = references_for(source, tasks, workers=min(4, os.cpu_count() or 1), progress=False)
-    samples, _ = walkthrough_samples(references, tokenizer, max_prompt_tokens=config.max_prompt_tokens)
+    samples, _ = walkthrough_samples(references, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
+                                     thinking=config.sft_thinking)
     student_graphdef, _ = nnx.split(student, nnx.Param)
     teacher_pair = nnx.split(teacher, nnx.Param)
 

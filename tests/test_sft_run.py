@@ -56,3 +56,25 @@ def test_run_sft_trains_with_the_context_term_resumes_and_exports(source, tmp_pa
     difference = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                      for a, b in zip(jax.tree.leaves(nnx.state(exported, nnx.Param)), jax.tree.leaves(random_init)))
     assert difference > 1e-3
+
+
+def test_held_out_divergence_reads_answers_in_the_configured_thinking(source):
+    """The exact reverse KL on held-out states: 0 for a student equal to its teacher, and measured on answers with
+    the state thinking when ``sft_thinking`` is ``state`` (more positions than the empty thinking block)."""
+    import types
+
+    from experiments.train import held_out_divergence
+
+    student, teacher = Qwen3(MICRO, rngs=nnx.Rngs(0)), Qwen3(MICRO, rngs=nnx.Rngs(1))
+    values = {}
+    for thinking in ("none", "state"):
+        config = build_config("vanilla-opd", preset="cpu", eval_split="train", eval_tasks=1, sft_thinking=thinking)
+        for name, model in (("same", teacher), ("other", student)):
+            params = nnx.state(model, nnx.Param)
+            trainer = types.SimpleNamespace(state=types.SimpleNamespace(params=params))
+            values[thinking, name] = held_out_divergence(config, source, Qwen3Tokenizer(), model, teacher,
+                                                         lambda trainer=trainer: trainer)()
+    assert values["none", "same"] == pytest.approx(0.0, abs=1e-6)
+    assert values["state", "same"] == pytest.approx(0.0, abs=1e-6)
+    assert values["none", "other"] > 0 and values["state", "other"] > 0
+    assert values["none", "other"] != pytest.approx(values["state", "other"], rel=1e-6)

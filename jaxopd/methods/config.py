@@ -105,7 +105,7 @@ class RunConfig:
     sft_epochs: float = 3.0
     sft_demonstrations: str = "walkthrough"
     sft_context_weight: float = 0.0          # > 0: a language-model term on the prompt tokens too (sft.train_sft)
-    sft_thinking: str = "none"               # SFT_THINKING
+    sft_thinking: str = "none"               # SFT_THINKING: SFT's answers, and distillation's held-out answers
 
     def __post_init__(self):
         if self.method not in METHODS:

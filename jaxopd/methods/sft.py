@@ -70,6 +70,9 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
     loss_config = LossConfig(kind="sft", temperature=1.0, max_supervised_tokens=max_supervised_tokens,
                              context_lm_weight=context_lm_weight,
                              context_vocab=corpus_vocabulary(samples) if context_lm_weight > 0 else None)
+    if loss_config.context_vocab:
+        log(f"context language-model term (weight {context_lm_weight}) over the corpus's "
+            f"{len(loss_config.context_vocab):,} token ids")
     meshes = build_meshes(RolePlan.for_device_count(len(jax.devices())))
     graphdef, params = nnx.split(model, nnx.Param)
     optimizer = make_optimizer(OptimizerConfig(learning_rate=learning_rate, weight_decay=weight_decay,
