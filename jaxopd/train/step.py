@@ -313,8 +313,8 @@ def context_log_probs(model: Qwen3, hidden: jax.Array, tokens: jax.Array, attent
     Returns ``(logp, mask)``, both ``[B, T]``: at position t >= 1, log softmax(h_{t-1} · E[vocab_ids])[index of
     tokens[t]], and mask True where t is a real token outside ``loss_mask`` whose id lies in ``vocab_ids``
     (position 0, padding, supervised and out-of-vocabulary tokens read 0 with mask False). Restricted to
-    a corpus vocabulary of a few thousand ids the projection costs a fraction of the full one over 151,936 rows,
-    so every prompt position can be trained.
+    a corpus vocabulary (298 ids for the searching expert's 2,329 ALFWorld turns) the projection costs a fraction
+    of the full one over 151,936 rows, so every prompt position can be trained.
     """
     vocab = jnp.asarray(vocab_ids, jnp.int32)
     index = jnp.full((model.config.vocab_size,), -1, jnp.int32).at[vocab].set(jnp.arange(vocab.shape[0],
