@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from envs.base import Task
+from jaxopd.rollout.prompts import executed_actions_and_answers
 from jaxopd.rollout.strategies.base import Episode, RolloutConfig
 from jaxopd.rollout.strategies.vanilla import VanillaStrategy
 from jaxopd.rollout.trajectory import Trajectory, Turn
@@ -203,9 +204,7 @@ def _error_record(task: Task, seed: int, error: BaseException, episode: Episode 
     rounds, score, actions, feedback = 0, 0.0, (), ()
     if episode is not None and episode.task.task_id == task.task_id:
         rounds, score = len(episode.steps), float(episode.observation.score)
-        actions = tuple(action for _, action in episode.history)
-        feedback = tuple(observation for observation, _ in episode.history[1:])
-        feedback += (episode.observation.text,) if episode.history else ()
+        actions, feedback = executed_actions_and_answers(episode.history, episode.observation.text)
     return EpisodeRecord(task_id=task.task_id, task_type=task.task_type, seed=int(seed), won=False, score=score,
                          rounds=rounds, end_reason=f"{ERROR_PREFIX}{message}", split=task.split, actions=actions,
                          feedback=feedback)

@@ -26,7 +26,7 @@ import numpy as np
 
 from envs.references import ReferenceTrajectory
 from jaxopd.methods.config import SFT_THINKING
-from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, render_prompt
+from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, executed_actions_and_answers, render_prompt
 from jaxopd.rollout.tags import ACTION_END, ACTION_START, THINK_END, THINK_START
 from jaxopd.train.buffer import Sample
 
@@ -78,8 +78,7 @@ def state_thinking(inputs: PromptInputs) -> str:
     goal = parse_goal(inputs.instruction)
     if goal is None:
         raise ValueError(f"no ALFWorld task type matches the instruction {inputs.instruction!r}")
-    actions = [action for _, action in inputs.history]
-    answers = [observation for observation, _ in inputs.history[1:]] + ([inputs.observation] if inputs.history else [])
+    actions, answers = executed_actions_and_answers(inputs.history, inputs.observation)
     state = task_state(goal, actions, answers, inputs.observation)
     parts = []
     if goal.count > 1 and state.placed:

@@ -92,6 +92,15 @@ class PromptInputs:
         return len(self.history) + 1
 
 
+def executed_actions_and_answers(history: Sequence[tuple[str, str]], observation: str
+                                 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The executed actions of a stored history h_t of (o_i, a_i) pairs and the environment's answer to each:
+    the answer to a_i is o_{i+1}, the next pair's observation, or ``observation`` (the current one) for the last."""
+    actions = tuple(action for _, action in history)
+    answers = tuple(seen for seen, _ in history[1:]) + ((observation,) if history else ())
+    return actions, answers
+
+
 @dataclasses.dataclass(frozen=True)
 class RenderedPrompt:
     """A chat-formatted prompt ready for the sampler, and how much history survived the budget."""
