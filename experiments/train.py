@@ -32,7 +32,7 @@ from jaxopd.methods.config import METHODS, PRESETS, SFT_DEMONSTRATIONS, SFT_THIN
 
 FLAG_FIELDS = ("benchmark", "games", "student", "teacher", "student_model_preset", "teacher_model_preset", "updates",
                "batch_size", "rollout_slots", "rollout_mode", "collection_tasks", "train_tasks", "checkpoint_every",
-               "seed",
+               "keep_checkpoints", "seed",
                "learning_rate", "loss", "max_turns", "max_prompt_tokens", "max_train_tokens", "first_stage_tokens",
                "total_tokens", "second_stage_tokens", "fast_action_tokens", "temperature", "eval_split",
                "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "sft_demonstrations",
@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--collection-tasks", type=int, default=None)
     p.add_argument("--train-tasks", type=int, default=None, help="train on a seeded subset of this many tasks")
     p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--keep-checkpoints", type=int, default=None, help="newest checkpoints kept (default 3)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--learning-rate", type=float, default=None)
     p.add_argument("--loss", default=None, choices=("opd", "sti-opd", "sti-iw-reverse-kl", "action-opd", "sft"))
@@ -313,7 +314,7 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
                       learning_rate=config.learning_rate, weight_decay=config.weight_decay,
                       max_grad_norm=config.max_grad_norm, seed=config.seed, max_train_tokens=config.max_train_tokens,
                       max_supervised_tokens=supervised, context_lm_weight=config.sft_context_weight,
-                      checkpoint_every=config.checkpoint_every,
+                      checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                       eval_every=config.eval_every, evaluate=evaluate, progress=progress)
     summary: dict[str, Any] = {"steps": steps, "samples": len(samples), "data": stats.as_dict(),
                                "demonstrations": {"kind": config.sft_demonstrations, "games": len(tasks),

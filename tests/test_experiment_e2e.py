@@ -83,7 +83,9 @@ def test_miniature_timings_are_positive_and_speedups_finite(miniature_run):
             # the engine's recorded events were checked against the protocol for every batch
             assert r["schedule_verified"] is True
             assert r["preemptions"] == 0
-            assert r["vanilla_peak_concurrency"] == min(p["b_max"], 2)
+            # the cap holds; reaching 2 needs the two episodes' requests to overlap, which depends on thread
+            # timing (a loaded machine ran them one after the other: peak 1)
+            assert 1 <= r["vanilla_peak_concurrency"] <= min(p["b_max"], 2)
             assert r["actfirst_peak_concurrency"] <= p["b_max"]
         assert math.isfinite(p["speedup_mean"]) and math.isfinite(p["speedup_std"])      # two repeats: a std
         ideal = p["idealized"]

@@ -16,17 +16,19 @@ from jaxopd.methods.config import build_config
 from jaxopd.methods.metrics_log import read_jsonl
 from jaxopd.models.qwen3 import Qwen3, Qwen3Config
 from jaxopd.tokenizer import QWEN3_VOCAB_SIZE, Qwen3Tokenizer
+from jaxopd.train.checkpoint import TrainCheckpointer
 
 source = test_train_loop.source      # the fixture: two generated ALFWorld training games
 MICRO = Qwen3Config(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
                     vocab_size=QWEN3_VOCAB_SIZE, dtype="float32", param_dtype="float32")
 
 
-def sft(source, out, steps, export=None):
+def sft(source, out, steps, export=None, keep_checkpoints=3):
     from experiments.train import run_sft
 
     config = build_config("sft", preset="cpu", batch_size=4, checkpoint_every=2, sft_context_weight=1.0,
-                          max_prompt_tokens=1024, max_train_tokens=1152, updates=steps)
+                          max_prompt_tokens=1024, max_train_tokens=1152, updates=steps,
+                          keep_checkpoints=keep_checkpoints)
     args = argparse.Namespace(steps=steps, no_eval=True, export=export)
     student = Qwen3(MICRO, rngs=nnx.Rngs(0))
     return run_sft(config, args, source, student, Qwen3Tokenizer(), out, progress=False)
@@ -47,7 +49,9 @@ def test_run_sft_trains_with_the_context_term_resumes_and_exports(source, tmp_pa
         assert np.isfinite(record["loss"]) and record["context_tokens"] > 10 * record["supervised_tokens"]
         assert record["loss"] == pytest.approx(record["nll"] + record["context_nll"], rel=1e-5)
     # resumed to 4 steps: the checkpoint of step 2 continues, and the export holds the trained weights
-    second = sft(source, out, 4, export=str(tmp_path / "hf"))
+    second = sft(source, out, 4, export=str(tmp_path / "hf"), keep_checkpoints=1)
+    with TrainCheckpointer(out / "checkpoints") as checkpointer:
+        assert checkpointer.all_steps() == [4]       # --keep-checkpoints 1: the step-2 checkpoint is gone
     records = [r for r in read_jsonl(out / "train.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[3]["loss"] < records[0]["loss"]

@@ -93,3 +93,7 @@ def test_sft_thinking_values(tmp_path):
                     "--sft-thinking", "chain")
     assert_one_line(run_cli("--method", "sft", "--benchmark", "scienceworld", "--sft-thinking", "state",
                             "--out", str(tmp_path)), "state thinking reads ALFWorld prompts")
+
+
+def test_keep_checkpoints_must_be_positive(tmp_path):
+    assert_one_line(run_cli("--method", "sft", "--keep-checkpoints", "0", "--out", str(tmp_path)), "keep_checkpoints")

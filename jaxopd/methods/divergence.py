@@ -20,10 +20,12 @@ from jaxopd.models.logprobs import tempered_log_softmax
 from jaxopd.models.qwen3 import dense_causal_attend
 from jaxopd.train.buffer import Sample, collate_samples
 
-__all__ = ["exact_reverse_kl"]
+__all__ = ["exact_reverse_kl", "supervised_log_softmax"]
 
 
-def _supervised_log_softmax(graphdef, params, tokens, positions, attention_mask, order, temperature):
+def supervised_log_softmax(graphdef, params, tokens, positions, attention_mask, order, temperature):
+    """Tempered log-softmax ``[B, W, V]`` of the model's next-token logits at the positions ``order`` ``[B, W]``
+    (the logits that predict ``tokens[order]``), from one dense forward pass."""
     model = nnx.merge(graphdef, params)
     hidden, _ = model.hidden_states(tokens, positions, dense_causal_attend(positions, attention_mask))
     context = jnp.take_along_axis(hidden, jnp.maximum(order - 1, 0)[..., None], axis=1)
@@ -36,9 +38,9 @@ def _batch_kl(student_graphdef, student_params, teacher_graphdef, teacher_params
     mask = loss_mask.astype(bool)
     order = jnp.argsort(jnp.logical_not(mask), axis=1, stable=True)[:, :width]
     valid = jnp.take_along_axis(mask, order, axis=1)
-    student = _supervised_log_softmax(student_graphdef, student_params, tokens, positions, attention_mask, order,
+    student = supervised_log_softmax(student_graphdef, student_params, tokens, positions, attention_mask, order,
                                       temperature)
-    teacher = _supervised_log_softmax(teacher_graphdef, teacher_params, tokens, positions, attention_mask, order,
+    teacher = supervised_log_softmax(teacher_graphdef, teacher_params, tokens, positions, attention_mask, order,
                                       temperature)
     kl = jnp.sum(jnp.exp(student) * (student - teacher), axis=-1)
     return jnp.sum(jnp.where(valid, kl, 0.0)), jnp.sum(valid)

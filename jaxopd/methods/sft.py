@@ -46,7 +46,7 @@ def sft_steps(num_samples: int, batch_size: int, epochs: float) -> int:
 def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLike, *, steps: int, batch_size: int,
               learning_rate: float, weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0,
               max_train_tokens: int = 2048, max_supervised_tokens: int | None = 64, context_lm_weight: float = 0.0,
-              checkpoint_every: int = 50,
+              checkpoint_every: int = 50, keep_checkpoints: int = 3,
               eval_every: int = 0, evaluate: Callable[[Qwen3, int], Mapping[str, Any]] | None = None,
               progress: bool = True, tensorboard: bool = True, log: Callable[[str], None] = print) -> Qwen3:
     """Trains ``model`` for ``steps`` steps of ``batch_size`` samples; returns the model with the trained weights.
@@ -54,6 +54,7 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
     ``context_lm_weight`` > 0 adds the language-model term on the prompt tokens (``LossConfig.context_lm_weight``)
     over the corpus vocabulary of ``samples`` (:func:`corpus_vocabulary`).
 
+    Keeps the newest ``keep_checkpoints`` checkpoints (one every ``checkpoint_every`` steps and the last).
     Resumes from ``out_dir/checkpoints`` when it holds a checkpoint (the data order continues exactly).
     ``evaluate(model, step)`` runs before training (step 0, fresh runs only), every ``eval_every`` steps and at
     the end; its result goes to ``eval.jsonl`` with the training wall-clock (evaluation time excluded).
@@ -80,7 +81,7 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
     shardings = train_state_shardings(params, optimizer, meshes.trainer)
     rows = batch_shardings(meshes.trainer)
     train_step = make_train_step(graphdef, optimizer, loss_config, shardings, rows)
-    checkpointer = TrainCheckpointer(out_dir / "checkpoints", max_to_keep=2)
+    checkpointer = TrainCheckpointer(out_dir / "checkpoints", max_to_keep=keep_checkpoints)
     wall = 0.0
     if checkpointer.latest_step() is not None:
         restored = checkpointer.restore(abstract_train_state(params, optimizer, shardings))

@@ -1,0 +1,194 @@
+"""Does a Qwen3 preset learn in-context copying from random weights, and after how many steps?
+
+Copying a name from the prompt (the task's object, a receptacle in view, an admissible action) is the first skill
+an ALFWorld agent needs, and the CPU teacher SFT'd from random weights never showed it (results/train). This
+experiment isolates that skill. Each sequence is ``A F A``: ``A`` is ``--length`` random ids, ``F`` is 0 to
+``--filler`` random ids, all drawn uniformly from a ``--vocab``-id sub-vocabulary. The loss is the language-model
+loss on every position, as in SFT's prompt term. Only the second copy of ``A`` can be predicted (after its first
+token, by finding the earlier occurrence and reading the next id: an induction head). Chance is ln(vocab) nats.
+With ``--filler 0`` the copy sits at a fixed offset, so one positional head suffices: a control.
+
+Training is the SFT path's arithmetic: AdamW (weight decay 0, clip 1.0), the softmax restricted to the
+sub-vocabulary (``jaxopd.train.step.context_log_probs``). Rows of the tied embedding outside the sub-vocabulary
+get no gradient under that softmax and, with weight decay 0, never change. So the model is built with only the
+sub-vocabulary's rows of a randomly initialised preset: the same updates, without carrying 151,936 rows through
+every optimizer step.
+
+    python -m experiments.copy_probe --steps 2000 --filler 32 --out results/copy_probe/filler32.json
+
+Writes JSON (every evaluation), a markdown table beside it and a PNG of the second copy's loss against the step.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxopd.cli import Parser, UsageError, check_out_file, run_main
+
+__all__ = ["copy_batch", "main"]
+
+
+def copy_batch(rng: np.random.Generator, batch: int, length: int, filler: int, vocab: int, *,
+               fixed_filler: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tokens, mask, second)``, each ``[batch, 2 * length + filler]``: rows ``A F A`` (right-padded with id 0,
+    ``mask`` False there); ``second`` is True on the positions of the second copy after its first id (those an
+    induction head predicts). ``fixed_filler`` gives every row that filler length (held-out evaluation)."""
+    width = 2 * length + filler
+    tokens = np.zeros((batch, width), np.int32)
+    mask = np.zeros((batch, width), bool)
+    second = np.zeros((batch, width), bool)
+    for row in range(batch):
+        gap = int(rng.integers(0, filler + 1)) if fixed_filler is None else int(fixed_filler)
+        copy = rng.integers(0, vocab, length)
+        sequence = np.concatenate([copy, rng.integers(0, vocab, gap), copy])
+        tokens[row, :len(sequence)] = sequence
+        mask[row, :len(sequence)] = True
+        second[row, length + gap + 1:len(sequence)] = True
+    return tokens, mask, second
+
+
+def run(args: Any) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jaxopd.models.qwen3 import Qwen3, Qwen3Config, dense_causal_attend
+
+    config = Qwen3Config.preset(args.preset)
+    model = Qwen3(config, rngs=nnx.Rngs(args.seed))
+    rows = np.random.default_rng(args.seed).choice(config.vocab_size, args.vocab, replace=False)
+    model.embedding_vd = nnx.Param(model.embedding_vd[...][np.sort(rows)])
+    if not config.tie_word_embeddings:
+        model.lm_head_dv = nnx.Param(model.lm_head_dv[...][:, np.sort(rows)])
+    graphdef, params = nnx.split(model, nnx.Param)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.learning_rate, weight_decay=0.0))
+    opt_state = optimizer.init(params)
+
+    def loss_fn(params, tokens, mask, second):
+        m = nnx.merge(graphdef, params)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        hidden, _ = m.hidden_states(tokens, positions, dense_causal_attend(positions, mask))
+        logp = jax.nn.log_softmax(m.logits(hidden[:, :-1]), axis=-1)
+        token_logp = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+        valid = (mask[:, 1:] & mask[:, :-1]).astype(jnp.float32)
+        copied = second[:, 1:].astype(jnp.float32)
+        hits = (jnp.argmax(logp, axis=-1) == tokens[:, 1:]).astype(jnp.float32)
+        loss = -(token_logp * valid).sum() / valid.sum()
+        return loss, {"second_nll": -(token_logp * copied).sum() / copied.sum(),
+                      "second_accuracy": (hits * copied).sum() / copied.sum()}
+
+    @jax.jit
+    def step(params, opt_state, tokens, mask, second):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, mask, second)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss, **metrics}
+
+    evaluate = jax.jit(lambda params, *batch: loss_fn(params, *batch)[1])
+    held_out_rng = np.random.default_rng(args.seed + 1)
+    gaps = sorted({args.filler, 4 * args.filler})
+    held_out = {gap: copy_batch(held_out_rng, 32, args.length, 4 * args.filler, args.vocab, fixed_filler=gap)
+                for gap in gaps}
+    rng = np.random.default_rng(args.seed)
+    every = max(1, args.steps // args.evaluations)
+    records: list[dict[str, Any]] = []
+    from tqdm import tqdm
+    started = time.perf_counter()
+    for at in tqdm(range(1, args.steps + 1), desc="copy probe", unit="step", disable=args.no_progress):
+        params, opt_state, metrics = step(params, opt_state, *copy_batch(rng, args.batch_size, args.length,
+                                                                         args.filler, args.vocab))
+        if at % every == 0 or at == args.steps:
+            record = {"step": at, "wall_s": time.perf_counter() - started,
+                      **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+            for gap, batch in held_out.items():
+                result = jax.device_get(evaluate(params, *batch))
+                record[f"held_out_gap{gap}_nll"] = float(result["second_nll"])
+                record[f"held_out_gap{gap}_accuracy"] = float(result["second_accuracy"])
+            records.append(record)
+    return {"command": args.command, "machine": {"platform": platform.platform(), "backend": jax.default_backend()},
+            "settings": {k: getattr(args, k) for k in ("preset", "steps", "batch_size", "learning_rate", "length",
+                                                         "filler", "vocab", "seed")},
+            "chance_nll": float(np.log(args.vocab)), "held_out_gaps": gaps, "records": records}
+
+
+def table(result: dict[str, Any]) -> str:
+    gaps = result["held_out_gaps"]
+    head = ["step", "wall (s)", "train loss", "2nd copy NLL"] + [f"held-out NLL / acc, gap {g}" for g in gaps]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["records"]:
+        cells = [str(r["step"]), f"{r['wall_s']:.0f}", f"{r['loss']:.3f}", f"{r['second_nll']:.3f}"]
+        cells += [f"{r[f'held_out_gap{g}_nll']:.3f} / {r[f'held_out_gap{g}_accuracy']:.1%}" for g in gaps]
+        lines.append("| " + " | ".join(cells) + " |")
+    s = result["settings"]
+    lines.append(f"\nChance: ln {s['vocab']} = {result['chance_nll']:.3f} nats. Preset {s['preset']}, batch "
+                 f"{s['batch_size']}, lr {s['learning_rate']}, copy length {s['length']}, filler 0–{s['filler']}.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = [r["step"] for r in result["records"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, [r["second_nll"] for r in result["records"]], label="second copy (train batches)")
+    for gap in result["held_out_gaps"]:
+        ax.plot(steps, [r[f"held_out_gap{gap}_nll"] for r in result["records"]], label=f"held out, gap {gap}")
+    ax.axhline(result["chance_nll"], color="grey", linestyle="--", label="chance")
+    ax.set_xlabel("step")
+    ax.set_ylabel("NLL of the copied ids (nats)")
+    ax.set_title(f"in-context copying, {result['settings']['preset']} preset from random weights")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = Parser(prog="python -m experiments.copy_probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny", help="Qwen3 architecture (default tiny)")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--learning-rate", type=float, default=1e-3, help="default: the SFT learning rate")
+    parser.add_argument("--length", type=int, default=16, help="ids per copy")
+    parser.add_argument("--filler", type=int, default=32, help="most random ids between the copies (0: control)")
+    parser.add_argument("--vocab", type=int, default=298, help="sub-vocabulary size (default: the SFT corpus's)")
+    parser.add_argument("--evaluations", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--out", default="results/copy_probe/copy_probe.json")
+    args = parser.parse_args(argv)
+
+    def body() -> int:
+        for flag in ("steps", "batch_size", "length", "evaluations"):
+            if getattr(args, flag) < 1:
+                raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+        if args.filler < 0:
+            raise UsageError(f"--filler must be >= 0, got {args.filler}")
+        if args.vocab < 2:
+            raise UsageError(f"--vocab must be >= 2, got {args.vocab}")
+        if not args.learning_rate > 0:
+            raise UsageError(f"--learning-rate must be > 0, got {args.learning_rate}")
+        out = check_out_file("--out", args.out)
+        import shlex
+        import sys
+        args.command = "python -m experiments.copy_probe " + shlex.join(sys.argv[1:] if argv is None else argv)
+        result = run(args)
+        text = table(result)
+        print(text)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        out.with_suffix(".md").write_text(text)
+        plot(result, out.with_suffix(".png"))
+        print(f"wrote {out}, {out.with_suffix('.md')} and {out.with_suffix('.png')}")
+        return 0
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

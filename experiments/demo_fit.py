@@ -1,0 +1,94 @@
+"""The teacher-forced fit of a Qwen3 folder to demonstrations of ALFWorld games: does it copy the goal object and
+write the demonstrated action? (``jaxopd.methods.demo_fit``; seconds, where playing episodes takes minutes.)
+
+    python -m experiments.demo_fit --model runs/teacher-think-hf --split valid_unseen --num-tasks 12 \\
+        --thinking state --out results/train/demo_fit/teacher-think.json
+
+Demonstrations are the searching expert's won episodes (or ``--demonstrations walkthrough``) of a seeded subset of
+the split's generated games, rendered as SFT renders them (``--thinking``, ``--max-prompt-tokens``). Writes JSON and
+a markdown table beside it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from typing import Sequence
+
+from jaxopd.cli import Parser, UsageError, check_checkpoint_folder, check_out_file, run_main
+from jaxopd.methods.config import SFT_DEMONSTRATIONS, SFT_THINKING
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = Parser(prog="python -m experiments.demo_fit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, action="append", metavar="DIR",
+                        help="Hugging Face Qwen3 folder (repeat to compare several)")
+    parser.add_argument("--split", default="valid_unseen", help="split of the generated ALFWorld games")
+    parser.add_argument("--num-tasks", type=int, default=12, help="seeded subset of the split's games")
+    parser.add_argument("--demonstrations", default="searching-expert", choices=SFT_DEMONSTRATIONS)
+    parser.add_argument("--thinking", default="state", choices=SFT_THINKING)
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--max-turns", type=int, default=30, help="the searching expert's turn limit")
+    parser.add_argument("--out", required=True, help="JSON file (a markdown table is written beside it)")
+    args = parser.parse_args(argv)
+    return run_main(lambda: run(args, argv))
+
+
+def run(args, argv) -> int:
+    from envs.alfworld_state import parse_goal
+    from jaxopd.methods.benchmarks import GeneratedCounts, references_for, resolve_source, subset
+    from jaxopd.methods.demo_fit import demonstration_fit
+    from jaxopd.methods.sft_data import walkthrough_samples, walkthrough_turns
+    from jaxopd.models.weights import load_qwen3
+    from jaxopd.tokenizer import load_tokenizer
+
+    if args.num_tasks < 1:
+        raise UsageError(f"--num-tasks must be >= 1, got {args.num_tasks}")
+    for folder in args.model:
+        check_checkpoint_folder("--model", folder)
+    out = check_out_file("--out", args.out)
+    source = resolve_source("alfworld", "generated", counts=GeneratedCounts(), progress=False)
+    tasks = subset(source.tasks(args.split), args.num_tasks, seed=0)
+    kind = SFT_DEMONSTRATIONS[args.demonstrations]
+    references = references_for(source, tasks, workers=min(4, os.cpu_count() or 1), progress=False, kind=kind,
+                                expert_max_turns=args.max_turns if kind == "searching_expert" else None)
+    if not references:
+        raise UsageError(f"no {args.demonstrations} demonstration of the {len(tasks)} {args.split} games succeeded")
+    tokenizer = load_tokenizer(args.model[0])
+    samples, goals = [], []
+    for reference in references.values():
+        instruction = walkthrough_turns(reference)[0].inputs.instruction
+        goal = parse_goal(instruction)
+        ref_samples, _ = walkthrough_samples([reference], tokenizer, max_prompt_tokens=args.max_prompt_tokens,
+                                             thinking=args.thinking)
+        samples += ref_samples
+        goals += [goal.obj if goal else None] * len(ref_samples)
+    rows = {}
+    for folder in args.model:
+        rows[folder] = demonstration_fit(load_qwen3(folder), samples, tokenizer, goal_objects=goals)
+        print(f"{folder}: {json.dumps(rows[folder])}", flush=True)
+    command = "python -m experiments.demo_fit " + shlex.join(sys.argv[1:] if argv is None else argv)
+    result = {"command": command, "split": args.split, "games": len(references), "turns": len(samples),
+              "demonstrations": args.demonstrations, "thinking": args.thinking, "models": rows}
+    head = "| model | response NLL | action exact (greedy) | goal object: p(first token) | goal object exact |"
+    lines = [head, "|---|---|---|---|---|"]
+
+    def cell(value):
+        return "—" if value is None else f"{value:.3f}"
+
+    for folder, row in rows.items():
+        lines.append(f"| `{folder}` | {row['response_nll']:.3f} | {cell(row['action_exact'])} "
+                     f"({row['action_turns']} turns) | {cell(row['goal_object_prob'])} | "
+                     f"{cell(row['goal_object_exact'])} ({row['goal_mentions']} mentions) |")
+    table = "\n".join(lines) + (f"\n\n{len(samples)} teacher-forced turns of {len(references)} `{args.split}` games "
+                                f"({args.demonstrations}, thinking {args.thinking}).\n")
+    print(table)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(table)
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

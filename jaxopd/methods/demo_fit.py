@@ -1,0 +1,106 @@
+"""How well a model fits demonstrations under teacher forcing: the cheap gate of an SFT teacher's grounding.
+
+Owns ``demonstration_fit``. For turn-level demonstration samples (``jaxopd.methods.sft_data.walkthrough_samples`` of
+held-out games), one dense forward pass per batch gives, at every response position, the model's next-token
+distribution given the demonstration's own prefix. From it:
+
+- ``response_nll``: the mean negative log-likelihood of a response token (nats);
+- ``action_exact``: the fraction of turns where the argmax is the demonstrated token at every token of the action
+  (between ``<action>`` and ``</action>``). Then greedy decoding, started after the demonstration's thinking,
+  writes exactly the demonstrated action. The rule is exact for greedy decoding;
+- ``goal_object_prob`` / ``goal_object_exact``: at the response's first mention of the task's goal object (ALFWorld:
+  ``"mug"`` of "put a clean mug in coffeemachine", in the thinking "I need a mug." or in an action "take mug 2
+  from ..."), the probability of its first token, and the fraction of mentions whose every token is the argmax.
+  It measures whether the model copies the object from its instruction, which a model that only learned the
+  answer format and the frequent objects does not.
+
+A few seconds per dozen turns on CPU, against minutes for playing episodes.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxopd.methods.divergence import supervised_log_softmax
+from jaxopd.rollout.tags import ACTION_END, ACTION_START
+from jaxopd.train.buffer import Sample, collate_samples
+
+__all__ = ["demonstration_fit", "token_spans"]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "width"))
+def _response_scores(graphdef, params, tokens, positions, attention_mask, loss_mask, *, width: int):
+    mask = loss_mask.astype(bool)
+    order = jnp.argsort(jnp.logical_not(mask), axis=1, stable=True)[:, :width]
+    logp = supervised_log_softmax(graphdef, params, tokens, positions, attention_mask, order, 1.0)
+    targets = jnp.take_along_axis(tokens, order, axis=1)
+    target_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return target_logp, jnp.argmax(logp, axis=-1) == targets
+
+
+def token_spans(pieces: Sequence[str], start: int, end: int) -> list[int]:
+    """Indices of the tokens (decoded ``pieces``, in order) whose characters overlap the text range [start, end)."""
+    spans, offset = [], 0
+    for index, piece in enumerate(pieces):
+        if offset < end and offset + len(piece) > start:
+            spans.append(index)
+        offset += len(piece)
+    return spans
+
+
+def demonstration_fit(model: Any, samples: Sequence[Sample], tokenizer: Any, *,
+                      goal_objects: Sequence[str | None] | None = None, batch_size: int = 8,
+                      length_multiple: int = 128) -> dict[str, float]:
+    """The teacher-forced fit of ``model`` (a Qwen3) to ``samples`` (see the module docstring).
+
+    ``goal_objects[i]``: the goal-object class of sample i's task (None: not scored). Returns ``turns``,
+    ``response_tokens``, ``response_nll``, ``action_turns`` (turns whose action tags were found), ``action_exact``,
+    and with goal objects ``goal_mentions``, ``goal_object_prob`` and ``goal_object_exact`` (None without mentions).
+    """
+    if not samples:
+        raise ValueError("demonstration_fit needs at least one sample")
+    if goal_objects is not None and len(goal_objects) != len(samples):
+        raise ValueError(f"{len(goal_objects)} goal objects for {len(samples)} samples")
+    graphdef, params = nnx.split(model)
+    width = max(s.num_supervised for s in samples)
+    nll, tokens_seen, action_turns, action_hits = 0.0, 0, 0, 0
+    mentions, goal_prob, goal_hits = 0, 0.0, 0
+    for start in range(0, len(samples), batch_size):
+        chunk = list(samples[start:start + batch_size])
+        batch = collate_samples(chunk, batch_size=batch_size, length_multiple=length_multiple)
+        logp, hit = jax.device_get(_response_scores(
+            graphdef, params, jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+            jnp.asarray(batch.attention_mask), jnp.asarray(batch.loss_mask), width=width))
+        for row, sample in enumerate(chunk):
+            n = sample.num_supervised
+            row_logp, row_hit = np.asarray(logp[row, :n], np.float64), np.asarray(hit[row, :n], bool)
+            nll -= float(row_logp.sum())
+            tokens_seen += n
+            pieces = [tokenizer.decode([int(i)]) for i in sample.tokens[sample.loss_mask]]
+            text = "".join(pieces)
+            opened, closed = text.find(ACTION_START), text.find(ACTION_END)
+            if 0 <= opened < closed:
+                span = token_spans(pieces, opened + len(ACTION_START), closed)
+                if span:
+                    action_turns += 1
+                    action_hits += int(row_hit[span].all())
+            goal = None if goal_objects is None else goal_objects[start + row]
+            match = re.search(rf"\b{re.escape(goal)}\b", text) if goal else None
+            if match:
+                span = token_spans(pieces, match.start(), match.end())
+                mentions += 1
+                goal_prob += float(np.exp(row_logp[span[0]]))
+                goal_hits += int(row_hit[span].all())
+    result: dict[str, Any] = {"turns": len(samples), "response_tokens": tokens_seen,
+                              "response_nll": nll / max(tokens_seen, 1), "action_turns": action_turns,
+                              "action_exact": action_hits / action_turns if action_turns else None}
+    if goal_objects is not None:
+        result.update(goal_mentions=mentions, goal_object_prob=goal_prob / mentions if mentions else None,
+                      goal_object_exact=goal_hits / mentions if mentions else None)
+    return result
