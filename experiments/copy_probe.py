@@ -14,7 +14,7 @@ get no gradient under that softmax and, with weight decay 0, never change. So th
 sub-vocabulary's rows of a randomly initialised preset: the same updates, without carrying 151,936 rows through
 every optimizer step.
 
-    python -m experiments.copy_probe --steps 2000 --filler 32 --out results/copy_probe/filler32.json
+    python -m experiments.copy_probe --steps 6000 --filler 32 --out results/copy_probe/filler32-6000.json
 
 Writes JSON (every evaluation), a markdown table beside it and a PNG of the second copy's loss against the step.
 """
