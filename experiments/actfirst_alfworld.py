@@ -17,7 +17,6 @@ import datetime
 import math
 import os
 import platform
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -580,7 +579,7 @@ def options_from_args(args: argparse.Namespace, *, backend: str | None = None) -
                       request_seed=args.seed, progress=not args.no_progress,
                       prefix_sharing=args.prefix_sharing == "on",
                       mixed_steps={"auto": None, "on": True, "off": False}[args.mixed_steps],
-                      command="python -m experiments.actfirst_alfworld " + shlex.join(sys.argv[1:]))
+                      command=cli.command_line("python -m experiments.actfirst_alfworld"))
 
 
 def prepare_out_dir(out: Path, flag: str = "--out") -> Path:

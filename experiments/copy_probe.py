@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxopd.cli import Parser, UsageError, check_out_file, run_main
+from jaxopd.cli import Parser, UsageError, check_out_file, command_line, run_main
 
 __all__ = ["copy_batch", "main"]
 
@@ -175,9 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.learning_rate > 0:
             raise UsageError(f"--learning-rate must be > 0, got {args.learning_rate}")
         out = check_out_file("--out", args.out)
-        import shlex
-        import sys
-        args.command = "python -m experiments.copy_probe " + shlex.join(sys.argv[1:] if argv is None else argv)
+        args.command = command_line(parser.prog, argv)
         result = run(args)
         text = table(result)
         print(text)

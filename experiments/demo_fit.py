@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
-import sys
 from typing import Sequence
 
-from jaxopd.cli import Parser, UsageError, check_checkpoint_folder, check_out_file, run_main
+from jaxopd.cli import Parser, UsageError, check_checkpoint_folder, check_out_file, command_line, run_main
 from jaxopd.methods.config import SFT_DEMONSTRATIONS, SFT_THINKING
 
 
@@ -39,7 +37,7 @@ def run(args, argv) -> int:
     from envs.alfworld_state import parse_goal
     from jaxopd.methods.benchmarks import GeneratedCounts, references_for, resolve_source, subset
     from jaxopd.methods.demo_fit import demonstration_fit
-    from jaxopd.methods.sft_data import walkthrough_samples, walkthrough_turns
+    from jaxopd.methods.sft_data import walkthrough_samples
     from jaxopd.models.weights import load_qwen3
     from jaxopd.tokenizer import load_tokenizer
 
@@ -58,8 +56,7 @@ def run(args, argv) -> int:
     tokenizer = load_tokenizer(args.model[0])
     samples, goals = [], []
     for reference in references.values():
-        instruction = walkthrough_turns(reference)[0].inputs.instruction
-        goal = parse_goal(instruction)
+        goal = parse_goal(reference.instruction)
         ref_samples, _ = walkthrough_samples([reference], tokenizer, max_prompt_tokens=args.max_prompt_tokens,
                                              thinking=args.thinking)
         samples += ref_samples
@@ -68,7 +65,7 @@ def run(args, argv) -> int:
     for folder in args.model:
         rows[folder] = demonstration_fit(load_qwen3(folder), samples, tokenizer, goal_objects=goals)
         print(f"{folder}: {json.dumps(rows[folder])}", flush=True)
-    command = "python -m experiments.demo_fit " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = command_line("python -m experiments.demo_fit", argv)
     result = {"command": command, "split": args.split, "games": len(references), "turns": len(samples),
               "demonstrations": args.demonstrations, "thinking": args.thinking, "models": rows}
     head = "| model | response NLL | action exact (greedy) | goal object: p(first token) | goal object exact |"

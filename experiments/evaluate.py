@@ -19,7 +19,6 @@ import dataclasses
 import datetime
 import math
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -118,7 +117,7 @@ def options_from_args(args: argparse.Namespace) -> EvalOptions:
                        max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
                        first_stage_tokens=first, total_tokens=total, slots=args.slots, num_pages=args.num_pages,
                        out=out, progress=not args.no_progress,
-                       command="python -m experiments.evaluate " + shlex.join(sys.argv[1:]))
+                       command=cli.command_line("python -m experiments.evaluate"))
 
 
 def check_options(options: EvalOptions) -> None:

@@ -25,7 +25,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 ALFWORLD_DATA_ENV = "ALFWORLD_DATA"
 EXIT_USAGE = 2
@@ -70,6 +70,13 @@ def usage_errors(*kinds: type[BaseException]) -> Iterator[None]:
         raise
     except caught as error:
         raise UsageError(str(error)) from None
+
+
+def command_line(prog: str, argv: Sequence[str] | None = None) -> str:
+    """The command as a user would retype it, for a result's record: ``prog`` (``python -m experiments.x``) and
+    ``argv`` (default: this process's arguments), shell-quoted."""
+    import shlex
+    return f"{prog} {shlex.join(sys.argv[1:] if argv is None else list(argv))}".rstrip()
 
 
 def run_main(body: Callable[[], Any]) -> int:

@@ -42,3 +42,10 @@ def test_short_run_writes_records_at_chance(tmp_path, capsys):
 def test_bad_flags_are_usage_errors(tmp_path, capsys):
     assert main(["--filler", "-1", "--out", str(tmp_path / "x.json")]) == 2
     assert "--filler must be >= 0" in capsys.readouterr().err
+
+
+def test_command_line_quotes_the_arguments():
+    from jaxopd.cli import command_line
+
+    assert command_line("python -m x", ["--out", "a b.json", "--steps", "2"]) == "python -m x --out 'a b.json' --steps 2"
+    assert command_line("python -m x", []) == "python -m x"
