@@ -47,5 +47,6 @@ def test_bad_flags_are_usage_errors(tmp_path, capsys):
 def test_command_line_quotes_the_arguments():
     from jaxopd.cli import command_line
 
-    assert command_line("python -m x", ["--out", "a b.json", "--steps", "2"]) == "python -m x --out 'a b.json' --steps 2"
+    expected = "python -m x --out 'a b.json' --steps 2"
+    assert command_line("python -m x", ["--out", "a b.json", "--steps", "2"]) == expected
     assert command_line("python -m x", []) == "python -m x"
