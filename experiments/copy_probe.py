@@ -6,13 +6,20 @@ experiment isolates that skill. Each sequence is ``A F A``: ``A`` is ``--length`
 ``--filler`` random ids, all drawn uniformly from a ``--vocab``-id sub-vocabulary. The loss is the language-model
 loss on every position, as in SFT's prompt term. Only the second copy of ``A`` can be predicted (after its first
 token, by finding the earlier occurrence and reading the next id: an induction head). Chance is ln(vocab) nats.
-With ``--filler 0`` the copy sits at a fixed offset, so one positional head suffices: a control.
+With ``--filler 0`` the copy sits at a fixed offset, so one positional head suffices: a control. ``--rows multi``
+trains on rows of ``--width`` ids instead, built of ``--length``-id segments of which about half copy an earlier span
+0 to ``--filler`` ids back: every row holds many copies, at the long distances of real prompts, for the cost of one.
 
 Training is the SFT path's arithmetic: AdamW (weight decay 0, clip 1.0), the softmax restricted to the
 sub-vocabulary (``jaxopd.train.step.context_log_probs``). Rows of the tied embedding outside the sub-vocabulary
 get no gradient under that softmax and, with weight decay 0, never change. So the model is built with only the
 sub-vocabulary's rows of a randomly initialised preset: the same updates, without carrying 151,936 rows through
 every optimizer step.
+
+As a warm-up for SFT: ``--vocab-from-sft`` takes the sub-vocabulary to be the token ids of the teacher's SFT corpus
+(``jaxopd.methods.sft.sft_corpus``), ``--init DIR`` starts from a Hugging Face folder (a previous stage), and
+``--export DIR`` writes the trained model back as one, its trained rows scattered into the full embedding (the
+other rows are the starting model's, unchanged), for ``experiments.train --method sft --student DIR``.
 
     python -m experiments.copy_probe --steps 6000 --filler 32 --out results/copy_probe/filler32-6000.json
 
@@ -28,9 +35,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxopd.cli import Parser, UsageError, check_out_file, command_line, run_main
+from jaxopd.cli import (Parser, UsageError, check_checkpoint_folder, check_out_dir, check_out_file, command_line,
+                        run_main)
+from jaxopd.methods.config import SFT_DEMONSTRATIONS, SFT_THINKING
 
-__all__ = ["copy_batch", "main"]
+__all__ = ["copy_batch", "multi_copy_batch", "main"]
 
 
 def copy_batch(rng: np.random.Generator, batch: int, length: int, filler: int, vocab: int, *,
@@ -52,20 +61,90 @@ def copy_batch(rng: np.random.Generator, batch: int, length: int, filler: int, v
     return tokens, mask, second
 
 
+def multi_copy_batch(rng: np.random.Generator, batch: int, width: int, length: int, max_gap: int, vocab: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tokens, mask, second)``, each ``[batch, width]``: every row is ``width // length`` segments of ``length``
+    ids (the rest of the row fresh ids); the first is fresh, each later one with probability 1/2 copies the
+    ``length`` ids that end 0 to ``max_gap`` ids before it (any start, so it may overlap earlier copies), else is
+    fresh. ``second`` is True on a copy's positions after its first id."""
+    tokens = rng.integers(0, vocab, (batch, width)).astype(np.int32)
+    second = np.zeros((batch, width), bool)
+    for row in range(batch):
+        for start in range(length, width - length + 1, length):
+            if rng.random() < 0.5:
+                gap = int(rng.integers(0, min(max_gap, start - length) + 1))
+                source = start - gap - length
+                tokens[row, start:start + length] = tokens[row, source:source + length]
+                second[row, start + 1:start + length] = True
+    return tokens, np.ones((batch, width), bool), second
+
+
+def sft_vocabulary(args: Any) -> tuple[int, ...]:
+    """The token ids of the teacher's SFT corpus (the cpu preset's prompts, ``args``' demonstrations and thinking)."""
+    from jaxopd.methods.benchmarks import GeneratedCounts, resolve_source
+    from jaxopd.methods.config import build_config
+    from jaxopd.methods.sft import corpus_vocabulary, sft_corpus
+    from jaxopd.tokenizer import load_tokenizer
+
+    config = build_config("sft", preset="cpu", sft_demonstrations=args.sft_demonstrations,
+                          sft_thinking=args.sft_thinking, max_turns=args.max_turns)
+    source = resolve_source("alfworld", "generated", counts=GeneratedCounts(), progress=False)
+    try:
+        corpus = sft_corpus(config, source, load_tokenizer(args.init), progress=False)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return corpus_vocabulary(corpus.samples)
+
+
+def starting_model(args: Any):
+    """The full starting model: ``--init``'s folder, or the preset randomly initialised at ``--seed``."""
+    from flax import nnx
+
+    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.models.weights import CheckpointError, load_qwen3
+
+    if args.init is None:
+        return Qwen3(Qwen3Config.preset(args.preset), rngs=nnx.Rngs(args.seed))
+    try:
+        return load_qwen3(args.init)
+    except (CheckpointError, OSError, ValueError) as error:
+        raise UsageError(f"--init {args.init!r}: {error}") from None
+
+
+def scatter_rows(model: Any, embedding_vd: Any, lm_head_dv: Any, rows: np.ndarray) -> Any:
+    """``model`` (carrying only the embedding rows ``rows``) made full again: its rows scattered into
+    ``embedding_vd`` (and the untied ``lm_head_dv``'s columns), every other row as given; the body untouched."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    model.embedding_vd = nnx.Param(jnp.asarray(embedding_vd).at[rows].set(model.embedding_vd[...]))
+    if lm_head_dv is not None:
+        model.lm_head_dv = nnx.Param(jnp.asarray(lm_head_dv).at[:, rows].set(model.lm_head_dv[...]))
+    return model
+
+
 def run(args: Any) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config, dense_causal_attend
+    from jaxopd.models.qwen3 import dense_causal_attend
 
-    config = Qwen3Config.preset(args.preset)
-    model = Qwen3(config, rngs=nnx.Rngs(args.seed))
-    rows = np.random.default_rng(args.seed).choice(config.vocab_size, args.vocab, replace=False)
-    model.embedding_vd = nnx.Param(model.embedding_vd[...][np.sort(rows)])
-    if not config.tie_word_embeddings:
-        model.lm_head_dv = nnx.Param(model.lm_head_dv[...][:, np.sort(rows)])
+    model = starting_model(args)
+    config = model.config
+    if args.vocab_ids is not None:
+        rows = np.asarray(args.vocab_ids, np.int64)
+        if rows.max() >= config.vocab_size:
+            raise UsageError(f"the SFT corpus holds token id {int(rows.max())}, outside the model's vocabulary of "
+                             f"{config.vocab_size}")
+    else:
+        rows = np.sort(np.random.default_rng(args.seed).choice(config.vocab_size, args.vocab, replace=False))
+    full_embedding = model.embedding_vd[...]
+    full_head = None if config.tie_word_embeddings else model.lm_head_dv[...]
+    model.embedding_vd = nnx.Param(full_embedding[rows])
+    if full_head is not None:
+        model.lm_head_dv = nnx.Param(full_head[:, rows])
     graphdef, params = nnx.split(model, nnx.Param)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.learning_rate, weight_decay=0.0))
     opt_state = optimizer.init(params)
@@ -91,17 +170,21 @@ def run(args: Any) -> dict[str, Any]:
 
     evaluate = jax.jit(lambda params, *batch: loss_fn(params, *batch)[1])
     held_out_rng = np.random.default_rng(args.seed + 1)
-    gaps = sorted({args.filler, 4 * args.filler})
-    held_out = {gap: copy_batch(held_out_rng, 32, args.length, 4 * args.filler, args.vocab, fixed_filler=gap)
-                for gap in gaps}
+    gaps = sorted(set(args.held_out_gaps or (args.filler, 4 * args.filler)))
+    held_out = {gap: copy_batch(held_out_rng, 32, args.length, gap, args.vocab, fixed_filler=gap) for gap in gaps}
+
+    def train_batch():
+        if args.rows == "multi":
+            return multi_copy_batch(rng, args.batch_size, args.width, args.length, args.filler, args.vocab)
+        return copy_batch(rng, args.batch_size, args.length, args.filler, args.vocab)
+
     rng = np.random.default_rng(args.seed)
     every = max(1, args.steps // args.evaluations)
     records: list[dict[str, Any]] = []
     from tqdm import tqdm
     started = time.perf_counter()
     for at in tqdm(range(1, args.steps + 1), desc="copy probe", unit="step", disable=args.no_progress):
-        params, opt_state, metrics = step(params, opt_state, *copy_batch(rng, args.batch_size, args.length,
-                                                                         args.filler, args.vocab))
+        params, opt_state, metrics = step(params, opt_state, *train_batch())
         if at % every == 0 or at == args.steps:
             record = {"step": at, "wall_s": time.perf_counter() - started,
                       **{k: float(v) for k, v in jax.device_get(metrics).items()}}
@@ -110,9 +193,14 @@ def run(args: Any) -> dict[str, Any]:
                 record[f"held_out_gap{gap}_nll"] = float(result["second_nll"])
                 record[f"held_out_gap{gap}_accuracy"] = float(result["second_accuracy"])
             records.append(record)
+    if args.export:
+        from jaxopd.models.weights import save_qwen3
+        save_qwen3(scatter_rows(nnx.merge(graphdef, params), full_embedding, full_head, rows), args.export)
     return {"command": args.command, "machine": {"platform": platform.platform(), "backend": jax.default_backend()},
             "settings": {k: getattr(args, k) for k in ("preset", "steps", "batch_size", "learning_rate", "length",
-                                                         "filler", "vocab", "seed")},
+                                                         "filler", "vocab", "seed", "rows", "width", "init",
+                                                         "export")},
+            "vocabulary": "the SFT corpus's token ids" if args.vocab_ids is not None else "random ids",
             "chance_nll": float(np.log(args.vocab)), "held_out_gaps": gaps, "records": records}
 
 
@@ -125,8 +213,11 @@ def table(result: dict[str, Any]) -> str:
         cells += [f"{r[f'held_out_gap{g}_nll']:.3f} / {r[f'held_out_gap{g}_accuracy']:.1%}" for g in gaps]
         lines.append("| " + " | ".join(cells) + " |")
     s = result["settings"]
+    rows = (f"rows of {s.get('width')} ids, about half copies 0–{s['filler']} back" if s.get("rows") == "multi"
+            else f"filler 0–{s['filler']}")
     lines.append(f"\nChance: ln {s['vocab']} = {result['chance_nll']:.3f} nats. Preset {s['preset']}, batch "
-                 f"{s['batch_size']}, lr {s['learning_rate']}, copy length {s['length']}, filler 0–{s['filler']}.")
+                 f"{s['batch_size']}, lr {s['learning_rate']}, copy length {s['length']}, {rows}"
+                 + (f", from `{s['init']}`" if s.get("init") else "") + ".")
     return "\n".join(lines) + "\n"
 
 
@@ -158,6 +249,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=16, help="ids per copy")
     parser.add_argument("--filler", type=int, default=32, help="most random ids between the copies (0: control)")
     parser.add_argument("--vocab", type=int, default=298, help="sub-vocabulary size (default: the SFT corpus's)")
+    parser.add_argument("--rows", default="pair", choices=("pair", "multi"),
+                        help="pair: A F A rows; multi: --width ids of segments, half of them copies")
+    parser.add_argument("--width", type=int, default=1024, help="ids per multi row")
+    parser.add_argument("--held-out-gaps", type=int, nargs="+", default=None,
+                        help="gaps of the held-out A F A rows (default: --filler and 4 x --filler)")
+    parser.add_argument("--vocab-from-sft", action="store_true",
+                        help="sub-vocabulary: the token ids of the teacher's SFT corpus (overrides --vocab)")
+    parser.add_argument("--sft-demonstrations", default="searching-expert", choices=SFT_DEMONSTRATIONS)
+    parser.add_argument("--sft-thinking", default="state", choices=SFT_THINKING)
+    parser.add_argument("--max-turns", type=int, default=30, help="the searching expert's turn limit")
+    parser.add_argument("--init", default=None, metavar="DIR", help="start from this Hugging Face folder")
+    parser.add_argument("--export", default=None, metavar="DIR",
+                        help="write the trained model here as a Hugging Face folder (full vocabulary)")
     parser.add_argument("--evaluations", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
@@ -172,10 +276,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"--filler must be >= 0, got {args.filler}")
         if args.vocab < 2:
             raise UsageError(f"--vocab must be >= 2, got {args.vocab}")
+        if args.rows == "multi" and args.width < 2 * args.length:
+            raise UsageError(f"--width must be >= 2 x --length ({2 * args.length}), got {args.width}")
+        if any(gap < 0 for gap in args.held_out_gaps or ()):
+            raise UsageError(f"--held-out-gaps must be >= 0, got {args.held_out_gaps}")
+        if args.init is not None:
+            check_checkpoint_folder("--init", args.init)
+        if args.export is not None:
+            check_out_dir("--export", args.export)
         if not args.learning_rate > 0:
             raise UsageError(f"--learning-rate must be > 0, got {args.learning_rate}")
         out = check_out_file("--out", args.out)
         args.command = command_line(parser.prog, argv)
+        args.vocab_ids = None
+        if args.vocab_from_sft:
+            args.vocab_ids = sft_vocabulary(args)
+            args.vocab = len(args.vocab_ids)
+            print(f"sub-vocabulary: the {args.vocab} token ids of the SFT corpus", flush=True)
         result = run(args)
         text = table(result)
         print(text)

@@ -274,29 +274,22 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
             progress: bool) -> dict[str, Any]:
     """Supervised fine-tuning on demonstrations of the training games (``--sft-demonstrations``: walkthroughs or the
     searching expert's won episodes), evaluated like a distilled student."""
-    from jaxopd.methods.benchmarks import TRAIN_SPLIT, references_for
-    from jaxopd.methods.sft import sft_steps, train_sft
-    from jaxopd.methods.sft_data import walkthrough_samples
+    from jaxopd.methods.sft import sft_corpus, sft_steps, train_sft
     from jaxopd.sampler.engine import Engine, EngineConfig
 
-    tasks = subset(source.tasks(TRAIN_SPLIT[config.benchmark]), config.train_tasks, seed=config.seed)
-    kind = SFT_DEMONSTRATIONS[config.sft_demonstrations]
-    failures: dict[str, str] = {}
-    references = references_for(source, tasks, workers=min(4, os.cpu_count() or 1), progress=progress, kind=kind,
-                                expert_max_turns=config.max_turns if kind == "searching_expert" else None,
-                                failures=failures)
-    if not references:
-        raise UsageError(f"no {config.sft_demonstrations} demonstration of the {len(tasks)} training games "
-                         f"succeeded (first reason: {next(iter(failures.values()), '?')})")
+    try:
+        corpus = sft_corpus(config, source, tokenizer, progress=progress)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    samples, stats, failures = corpus.samples, corpus.stats, corpus.failures
     if failures:
-        print(f"SFT demonstrations: the {config.sft_demonstrations} won {len(references)} of {len(tasks)} "
-              f"training games within {config.max_turns} turns; the other {len(failures)} are left out", flush=True)
-    samples, stats = walkthrough_samples(references, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
-                                         benchmark=config.benchmark, thinking=config.sft_thinking)
+        print(f"SFT demonstrations: the {config.sft_demonstrations} won {len(corpus.references)} of "
+              f"{len(corpus.tasks)} training games within {config.max_turns} turns; the other {len(failures)} are "
+              "left out", flush=True)
     steps = args.steps or sft_steps(len(samples), config.batch_size, config.sft_epochs)
     # project only the response positions: the longest walkthrough response, rounded up to 8
     supervised = -(-max(s.num_supervised for s in samples) // 8) * 8
-    print(f"SFT data: {len(tasks)} games, {json.dumps(stats.as_dict())}; {steps} steps of {config.batch_size}",
+    print(f"SFT data: {len(corpus.tasks)} games, {json.dumps(stats.as_dict())}; {steps} steps of {config.batch_size}",
           flush=True)
     (out / "config.json").write_text(config.to_json() + "\n")
     evaluate = None
@@ -317,8 +310,8 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
                       checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                       eval_every=config.eval_every, evaluate=evaluate, progress=progress)
     summary: dict[str, Any] = {"steps": steps, "samples": len(samples), "data": stats.as_dict(),
-                               "demonstrations": {"kind": config.sft_demonstrations, "games": len(tasks),
-                                                  "demonstrated": len(references), "failed": failures}}
+                               "demonstrations": {"kind": config.sft_demonstrations, "games": len(corpus.tasks),
+                                                  "demonstrated": len(corpus.references), "failed": failures}}
     if args.export:
         from jaxopd.models.weights import save_qwen3
         save_qwen3(model, args.export)

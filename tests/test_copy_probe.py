@@ -1,10 +1,11 @@
-"""experiments.copy_probe: the A F A batches, and a short run's records (random weights predict at chance)."""
+"""experiments.copy_probe: the A F A and multi-copy batches, a short run's records (random weights predict at chance),
+and the warm-up's export: the trained sub-vocabulary model scattered back into a full Hugging Face folder."""
 import json
 import math
 
 import numpy as np
 
-from experiments.copy_probe import copy_batch, main
+from experiments.copy_probe import copy_batch, main, multi_copy_batch
 
 
 def test_copy_batch_rows_repeat_their_first_ids_after_the_filler():
@@ -50,3 +51,68 @@ def test_command_line_quotes_the_arguments():
     expected = "python -m x --out 'a b.json' --steps 2"
     assert command_line("python -m x", ["--out", "a b.json", "--steps", "2"]) == expected
     assert command_line("python -m x", []) == "python -m x"
+
+
+def test_multi_copy_rows_copy_spans_within_the_gap():
+    rng = np.random.default_rng(1)
+    length, max_gap, width = 4, 9, 40
+    tokens, mask, second = multi_copy_batch(rng, 200, width, length, max_gap, 300)
+    assert tokens.shape == (200, width) and mask.all() and tokens.min() >= 0 and tokens.max() < 300
+    copies = 0
+    for row in range(200):
+        for start in range(0, width, length):
+            flagged = second[row, start:start + length]
+            if start == 0 or start + length > width:
+                assert not flagged.any()
+                continue
+            assert not flagged[0] and (flagged[1:].all() or not flagged.any())
+            if flagged.any():
+                copies += 1
+                span = tokens[row, start:start + length]
+                # some source ending 0..max_gap ids before the segment holds the same ids
+                assert any(np.array_equal(tokens[row, start - g - length:start - g], span)
+                           for g in range(0, min(max_gap, start - length) + 1)), (row, start)
+    segments = 200 * (width // length - 1)
+    assert abs(copies / segments - 0.5) < 0.05   # about half the segments are copies
+
+
+def test_export_scatters_the_trained_rows_into_the_full_model(tmp_path):
+    from flax import nnx
+
+    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.models.weights import load_qwen3
+
+    out, hf = tmp_path / "probe.json", tmp_path / "hf"
+    assert main(["--steps", "3", "--evaluations", "3", "--length", "4", "--filler", "4", "--vocab", "20",
+                 "--held-out-gaps", "2", "--seed", "3", "--no-progress", "--export", str(hf), "--out", str(out)]) == 0
+    exported = load_qwen3(hf)
+    start = Qwen3(Qwen3Config.preset("tiny"), rngs=nnx.Rngs(3))
+    rows = np.sort(np.random.default_rng(3).choice(start.config.vocab_size, 20, replace=False))
+    moved = np.flatnonzero(np.abs(np.asarray(exported.embedding_vd[...]) - np.asarray(start.embedding_vd[...]))
+                           .max(axis=1) > 0)
+    assert moved.tolist() == rows.tolist()   # the trained rows, and no other
+    # the exported model, restricted to those rows, gives the run's last held-out NLL
+    import jax
+    import jax.numpy as jnp
+
+    from jaxopd.models.qwen3 import dense_causal_attend
+    tokens, mask, second = copy_batch(np.random.default_rng(4), 32, 4, 2, 20, fixed_filler=2)
+    exported.embedding_vd = nnx.Param(exported.embedding_vd[...][rows])
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    hidden, _ = exported.hidden_states(jnp.asarray(tokens), positions, dense_causal_attend(positions, mask))
+    logp = jax.nn.log_softmax(exported.logits(hidden[:, :-1]), axis=-1)
+    picked = np.take_along_axis(np.asarray(logp), tokens[:, 1:, None], axis=-1)[..., 0]
+    nll = -(picked * second[:, 1:]).sum() / second[:, 1:].sum()
+    last = json.loads(out.read_text())["records"][-1]
+    assert abs(nll - last["held_out_gap2_nll"]) < 1e-4
+    # a second stage starts from the export: its first record continues from there, not from chance
+    again = tmp_path / "again.json"
+    assert main(["--init", str(hf), "--steps", "1", "--evaluations", "1", "--length", "4", "--filler", "4",
+                 "--vocab", "20", "--held-out-gaps", "2", "--seed", "3", "--learning-rate", "1e-9", "--no-progress",
+                 "--out", str(again)]) == 0
+    assert abs(json.loads(again.read_text())["records"][0]["held_out_gap2_nll"] - nll) < 1e-3
+
+
+def test_multi_rows_need_room_for_a_copy(tmp_path, capsys):
+    assert main(["--rows", "multi", "--width", "10", "--length", "8", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--width must be >= 2 x --length (16)" in capsys.readouterr().err

@@ -1,13 +1,16 @@
 """Supervised fine-tuning of a Qwen3 on walkthrough turns: how this project makes a competent teacher (and a
 weaker starting student) without downloading a checkpoint.
 
-Owns ``train_sft``: the sharded train step with the ``sft`` loss over a seeded, resumable ``SFTDataset``
-(``jaxopd.methods.sft_data``), orbax checkpoints every ``checkpoint_every`` steps (state + data position),
-per-step metrics (JSONL + TensorBoard) and optional evaluation every ``eval_every`` steps through the same hook
-as the distillation loop (``fn(model, step) -> dict``).
+Owns ``sft_corpus`` (a run config's demonstration turns as samples: which games, which demonstrations, which
+thinking; one definition for the SFT run and for the copy warm-up that shares its vocabulary) and ``train_sft``:
+the sharded train step with the ``sft`` loss over a seeded, resumable ``SFTDataset`` (``jaxopd.methods.sft_data``),
+orbax checkpoints every ``checkpoint_every`` steps (state + data position), per-step metrics (JSONL + TensorBoard)
+and optional evaluation every ``eval_every`` steps through the same hook as the distillation loop
+(``fn(model, step) -> dict``).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -29,7 +32,40 @@ from jaxopd.train.step import (LossConfig, OptimizerConfig, abstract_train_state
                                check_supervised_fit, init_train_state, make_optimizer, make_train_step, place_batch,
                                train_state_shardings)
 
-__all__ = ["train_sft", "sft_steps", "corpus_vocabulary"]
+__all__ = ["SFTCorpus", "sft_corpus", "train_sft", "sft_steps", "corpus_vocabulary"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTCorpus:
+    """The SFT samples of a run config, with the games they come from and the games left out (task id -> why)."""
+
+    samples: list[Sample]
+    stats: Any
+    tasks: list[Any]
+    references: Mapping[str, Any]
+    failures: dict[str, str]
+
+
+def sft_corpus(config: Any, source: Any, tokenizer: Any, *, progress: bool = True) -> SFTCorpus:
+    """The demonstration turns of ``config`` (a ``RunConfig``): its seeded subset of the benchmark's training games
+    (``train_tasks``), demonstrated by ``sft_demonstrations`` (the searching expert within ``max_turns``), rendered
+    with ``sft_thinking`` under ``max_prompt_tokens``. Raises ``ValueError`` when no demonstration succeeded."""
+    from jaxopd.methods.benchmarks import TRAIN_SPLIT, references_for, subset
+    from jaxopd.methods.config import SFT_DEMONSTRATIONS
+    from jaxopd.methods.sft_data import walkthrough_samples
+
+    tasks = subset(source.tasks(TRAIN_SPLIT[config.benchmark]), config.train_tasks, seed=config.seed)
+    kind = SFT_DEMONSTRATIONS[config.sft_demonstrations]
+    failures: dict[str, str] = {}
+    references = references_for(source, tasks, workers=min(4, os.cpu_count() or 1), progress=progress, kind=kind,
+                                expert_max_turns=config.max_turns if kind == "searching_expert" else None,
+                                failures=failures)
+    if not references:
+        raise ValueError(f"no {config.sft_demonstrations} demonstration of the {len(tasks)} training games "
+                         f"succeeded (first reason: {next(iter(failures.values()), '?')})")
+    samples, stats = walkthrough_samples(references, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
+                                         benchmark=config.benchmark, thinking=config.sft_thinking)
+    return SFTCorpus(samples, stats, list(tasks), references, failures)
 
 
 def corpus_vocabulary(samples: Sequence[Sample]) -> tuple[int, ...]:
