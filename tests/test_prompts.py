@@ -238,6 +238,8 @@ def test_input_errors(tok):
         ("<action>look</action> then <action>inventory</action>", "inventory"),            # the last one wins
         ("<action>look</action> and <action>unterminated", "look"),                         # last *complete*
         ("<action><action>open fridge 1</action>", "open fridge 1"),                       # nested opener
+        ("<action>take egg</action>take egg</action>", "take egg"),                        # stray closer
+        ("<action>look</action>x</action> <action>take egg</action>y</action>", "take egg"),
         ("go to cabinet 1", None),                                                          # missing tag
         ("<action>go to cabinet 1", None),                                                  # unterminated
         ("go to cabinet 1</action>", None),                                                 # no opening tag

@@ -34,6 +34,8 @@ def extract_action(text: str) -> str | None:
     open_ = text.rfind(ACTION_START, 0, close)
     if open_ < 0:
         return None
+    # the pair closes at the first closing tag after its opener: "<action>a</action>b</action>" is "a"
+    close = text.find(ACTION_END, open_ + len(ACTION_START))
     action = text[open_ + len(ACTION_START):close].strip()
     return action or None
 
