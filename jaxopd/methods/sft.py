@@ -21,9 +21,13 @@ import jax
 import numpy as np
 from flax import nnx
 
+from envs.base import Task
+from envs.references import ReferenceTrajectory
+from jaxopd.methods.benchmarks import TRAIN_SPLIT, BenchmarkSource, references_for, subset
+from jaxopd.methods.config import SFT_DEMONSTRATIONS, RunConfig
 from jaxopd.methods.loop import batch_length
 from jaxopd.methods.metrics_log import MetricsWriter
-from jaxopd.methods.sft_data import SFTDataset
+from jaxopd.methods.sft_data import SFTDataset, WalkthroughStats, walkthrough_samples
 from jaxopd.models.qwen3 import Qwen3
 from jaxopd.train.buffer import Sample, collate_samples
 from jaxopd.train.checkpoint import TrainCheckpointer
@@ -40,20 +44,17 @@ class SFTCorpus:
     """The SFT samples of a run config, with the games they come from and the games left out (task id -> why)."""
 
     samples: list[Sample]
-    stats: Any
-    tasks: list[Any]
-    references: Mapping[str, Any]
+    stats: WalkthroughStats
+    tasks: list[Task]
+    references: Mapping[str, ReferenceTrajectory]
     failures: dict[str, str]
 
 
-def sft_corpus(config: Any, source: Any, tokenizer: Any, *, progress: bool = True) -> SFTCorpus:
+def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, progress: bool = True
+               ) -> SFTCorpus:
     """The demonstration turns of ``config`` (a ``RunConfig``): its seeded subset of the benchmark's training games
     (``train_tasks``), demonstrated by ``sft_demonstrations`` (the searching expert within ``max_turns``), rendered
     with ``sft_thinking`` under ``max_prompt_tokens``. Raises ``ValueError`` when no demonstration succeeded."""
-    from jaxopd.methods.benchmarks import TRAIN_SPLIT, references_for, subset
-    from jaxopd.methods.config import SFT_DEMONSTRATIONS
-    from jaxopd.methods.sft_data import walkthrough_samples
-
     tasks = subset(source.tasks(TRAIN_SPLIT[config.benchmark]), config.train_tasks, seed=config.seed)
     kind = SFT_DEMONSTRATIONS[config.sft_demonstrations]
     failures: dict[str, str] = {}
