@@ -491,6 +491,47 @@ def test_state_thinking_by_hand():
         state_thinking(_inputs("Your task is to: dance.", [], "x"))
 
 
+def test_plan_thinking_by_hand():
+    """Plan thinking: the state of ``state_thinking`` and the step it calls for (the tool, then the destination)."""
+    pytest.importorskip("alfworld")
+    from jaxopd.methods.sft_data import plan_thinking, thinking_text
+    cool = "Your task is to: cool some mug and put it in cabinet."
+    assert plan_thinking(_inputs(cool, [], "You are in the middle of a room.")) == "I need a mug."
+    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2, a mug 1.")]
+    assert plan_thinking(_inputs(cool, seen, "")) == "I need a mug. I see mug 2 here."
+    held = seen + [("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1.")]
+    assert plan_thinking(_inputs(cool, held, "")) == "I hold mug 2. I must cool it with a fridge."
+    cooled = held + [("cool mug 2 with fridge 1", "You cool the mug 2 using the fridge 1.")]
+    assert plan_thinking(_inputs(cool, cooled, "")) == "I hold mug 2, now cool. It goes in cabinet."
+    clean = "Your task is to: put a clean cloth in shelf."
+    cloth = [("take cloth 2 from bathtubbasin 1", "You pick up the cloth 2 from the bathtubbasin 1.")]
+    assert plan_thinking(_inputs(clean, cloth, "")) == "I hold cloth 2. I must clean it with a sinkbasin."
+    heat = "Your task is to: heat some egg and put it in garbagecan."
+    egg = [("take egg 1 from fridge 1", "You pick up the egg 1 from the fridge 1.")]
+    assert plan_thinking(_inputs(heat, egg, "")) == "I hold egg 1. I must heat it with a microwave."
+    simple = "Your task is to: put some keychain on dresser."
+    key = [("take keychain 3 from sofa 1", "You pick up the keychain 3 from the sofa 1.")]
+    assert plan_thinking(_inputs(simple, key, "")) == "I hold keychain 3. It goes in dresser."
+    two = "Your task is to: put two vase in shelf."
+    assert plan_thinking(_inputs(two, [], "You are in the middle of a room.")) == "0 of 2 placed. I need a vase."
+    placed = [("take vase 1 from sidetable 1", "You pick up the vase 1 from the sidetable 1."),
+              ("move vase 1 to shelf 1", "You move the vase 1 to the shelf 1.")]
+    assert plan_thinking(_inputs(two, placed, "")) == "1 of 2 placed. I need a vase."
+    assert plan_thinking(_inputs(two, placed[:1], "")) == "0 of 2 placed. I hold vase 1. It goes in shelf."
+    look = "Your task is to: look at cd under the desklamp."
+    cd = [("take cd 1 from desk 1", "You pick up the cd 1 from the desk 1.")]
+    assert plan_thinking(_inputs(look, cd, "")) == "I hold cd 1. I need a desklamp."
+    lamp = cd + [("go to sidetable 1", "You arrive at sidetable 1. On the sidetable 1, you see a desklamp 1.")]
+    assert plan_thinking(_inputs(look, lamp, "")) == "I hold cd 1. I need a desklamp. I see desklamp 1 here."
+    assert thinking_text(_inputs(cool, held, ""), "plan") == "I hold mug 2. I must cool it with a fridge."
+    assert thinking_text(_inputs(cool, held, ""), "state") == "I hold mug 2."
+    assert thinking_text(_inputs(cool, held, ""), "none") == ""
+    with pytest.raises(ValueError, match="unknown SFT thinking"):
+        thinking_text(_inputs(cool, held, ""), "chain")
+    with pytest.raises(ValueError, match="no ALFWorld task type"):
+        plan_thinking(_inputs("Your task is to: dance.", [], "x"))
+
+
 def test_walkthrough_samples_with_state_thinking(alfworld, tok):
     from jaxopd.methods.sft_data import state_thinking
     _, _, reference = alfworld

@@ -93,6 +93,8 @@ def test_sft_thinking_values(tmp_path):
                     "--sft-thinking", "chain")
     assert_one_line(run_cli("--method", "sft", "--benchmark", "scienceworld", "--sft-thinking", "state",
                             "--out", str(tmp_path)), "state thinking reads ALFWorld prompts")
+    assert_one_line(run_cli("--method", "sft", "--benchmark", "scienceworld", "--sft-thinking", "plan",
+                            "--out", str(tmp_path)), "plan thinking reads ALFWorld prompts")
 
 
 def test_keep_checkpoints_must_be_positive(tmp_path):

@@ -18,9 +18,10 @@ METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallbac
            "actfirst-prefix-replay-100", "sti", "actionopd", "sft")
 PRESETS = ("cpu", "gpu", "paper")
 ROLLOUT_MODES = ("async", "sync")
-SFT_THINKING = ("none", "state")
-"""What an SFT demonstration thinks before its action: ``none`` (Qwen3's empty thinking block) or ``state`` (ALFWorld:
-a short reasoning over what the prompt shows, ``jaxopd.methods.sft_data.state_thinking``)."""
+SFT_THINKING = ("none", "state", "plan")
+"""What an SFT demonstration thinks before its action: ``none`` (Qwen3's empty thinking block), ``state`` (ALFWorld:
+a short reasoning over what the prompt shows, ``jaxopd.methods.sft_data.state_thinking``) or ``plan`` (ALFWorld: that
+state and the step it calls for, the tool or the destination, ``jaxopd.methods.sft_data.plan_thinking``)."""
 SFT_DEMONSTRATIONS = {"walkthrough": "solution", "searching-expert": "searching_expert"}
 """What SFT imitates, each with the ``envs.references`` kind of its references: the planner's walkthrough (it knows
 where everything lies; ScienceWorld's gold path), or ALFWorld's searching expert (``envs.alfworld_expert``: it looks
@@ -121,9 +122,9 @@ class RunConfig:
                              f"{tuple(SFT_DEMONSTRATIONS)}")
         if self.sft_thinking not in SFT_THINKING:
             raise ValueError(f"unknown SFT thinking {self.sft_thinking!r}; expected one of {SFT_THINKING}")
-        if self.sft_thinking == "state" and self.benchmark != "alfworld":
-            raise ValueError("state thinking reads ALFWorld prompts; ScienceWorld SFT thinks nothing (sft_thinking "
-                             "'none')")
+        if self.sft_thinking != "none" and self.benchmark != "alfworld":
+            raise ValueError(f"{self.sft_thinking} thinking reads ALFWorld prompts; ScienceWorld SFT thinks nothing "
+                             "(sft_thinking 'none')")
         if self.sft_demonstrations == "searching-expert" and self.benchmark != "alfworld":
             raise ValueError("the searching expert plays ALFWorld only; ScienceWorld SFT uses walkthrough (gold "
                              "path) demonstrations")

@@ -5,7 +5,8 @@ searching expert's won episode (``config.SFT_DEMONSTRATIONS`` maps ``RunConfig.s
 The functions below say "walkthrough" for either.
 
 Owns the teacher's target answer for one turn (:func:`response_text`: Qwen3's thinking block, empty or holding
-:func:`state_thinking`'s reasoning over what the prompt shows, and the ``<action>`` tag, what the rollout's full
+:func:`state_thinking`'s reasoning over what the prompt shows or :func:`plan_thinking`'s, which adds the step it
+calls for, chosen by :func:`thinking_text`; and the ``<action>`` tag, what the rollout's full
 think-then-act mode parses), the per-turn prompt inputs of a
 reference trajectory built exactly as a live rollout builds them (:func:`walkthrough_turns`, mirroring
 ``RolloutStrategy.prompt_inputs``, so an SFT prompt is byte-identical to the prompt the agent sees at that
@@ -24,14 +25,16 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from envs.alfworld_state import TaskState, parse_goal, task_state
 from envs.references import ReferenceTrajectory
 from jaxopd.methods.config import SFT_THINKING
 from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, executed_actions_and_answers, render_prompt
 from jaxopd.rollout.tags import ACTION_END, ACTION_START, THINK_END, THINK_START
 from jaxopd.train.buffer import Sample
 
-__all__ = ["SFT_MODE", "response_text", "state_thinking", "WalkthroughTurn", "walkthrough_turns", "WalkthroughStats",
-           "walkthrough_samples", "SFTDataset"]
+__all__ = ["SFT_MODE", "response_text", "state_thinking", "plan_thinking", "state_text", "plan_text",
+           "thinking_text", "WalkthroughTurn",
+           "walkthrough_turns", "WalkthroughStats", "walkthrough_samples", "SFTDataset"]
 
 SFT_MODE = "full"
 """The generation mode whose prompts SFT trains on: the full think-then-act mode of the rollouts, whose
@@ -71,15 +74,12 @@ def state_thinking(inputs: PromptInputs) -> str:
     written by this rule, not by a model; it gives the demonstration a state to reason from and ActFirst-OPD
     thinking to skip. ``ValueError`` for an instruction of none of the six task types.
     """
-    from envs.alfworld_state import parse_goal, task_state
+    return state_text(_state_of(inputs, "state"))
 
-    if inputs.benchmark != "alfworld":
-        raise ValueError(f"state thinking reads ALFWorld prompts, not {inputs.benchmark}")
-    goal = parse_goal(inputs.instruction)
-    if goal is None:
-        raise ValueError(f"no ALFWorld task type matches the instruction {inputs.instruction!r}")
-    actions, answers = executed_actions_and_answers(inputs.history, inputs.observation)
-    state = task_state(goal, actions, answers, inputs.observation)
+
+def state_text(state: TaskState) -> str:
+    """:func:`state_thinking`'s words for a ``TaskState`` (``envs.alfworld_state.task_state``)."""
+    goal = state.goal
     parts = []
     if goal.count > 1 and state.placed:
         parts.append(f"{state.placed} of {goal.count} placed.")
@@ -92,6 +92,62 @@ def state_thinking(inputs: PromptInputs) -> str:
         if state.in_view:
             parts.append(f"I see {state.in_view[0]} here.")
     return " ".join(parts)
+
+
+def plan_thinking(inputs: PromptInputs) -> str:
+    """:func:`state_thinking`'s state with the step it calls for next (``--sft-thinking plan``).
+
+    The same reading of the prompt, and what the task still asks of that state, in the instruction's and the
+    commands' words: holding an object that must be cleaned, heated or cooled, the command and receptacle class
+    that do it (``"I hold apple 4. I must cool it with a fridge."``, ``envs.alfworld_state.CHANGE_TOOLS``); once
+    it is changed (or when the task changes nothing), the receptacle class it goes in (``"I hold apple 4, now
+    cool. It goes in garbagecan."``); in a look task, the lamp to find (``"I hold cd 1. I need a desklamp."``). A
+    two-object task counts its placed objects from the first turn (``"0 of 2 placed."``), so a count never
+    appears in a one-object task's thinking. The object still needed and the first in view are said as in
+    :func:`state_thinking`. ``ValueError`` as there.
+    """
+    return plan_text(_state_of(inputs, "plan"))
+
+
+def plan_text(state: TaskState) -> str:
+    """:func:`plan_thinking`'s words for a ``TaskState`` (``envs.alfworld_state.task_state``)."""
+    goal = state.goal
+    parts = [f"{state.placed} of {goal.count} placed."] if goal.count > 1 else []
+    if state.held is None:
+        parts.append(f"I need a {goal.obj}.")
+        if state.in_view:
+            parts.append(f"I see {state.in_view[0]} here.")
+    elif goal.toggle is not None:
+        parts.append(f"I hold {state.held}. I need a {goal.toggle}.")
+        if state.lamps_in_view:
+            parts.append(f"I see {state.lamps_in_view[0]} here.")
+    elif goal.tool is not None and not state.changed:
+        verb, tool = goal.tool
+        parts.append(f"I hold {state.held}. I must {verb} it with a {tool}.")
+    else:
+        parts.append(f"I hold {state.held}" + (f", now {goal.change}." if state.changed else ".")
+                     + f" It goes in {goal.recep}.")
+    return " ".join(parts)
+
+
+def _state_of(inputs: PromptInputs, kind: str) -> TaskState:
+    if inputs.benchmark != "alfworld":
+        raise ValueError(f"{kind} thinking reads ALFWorld prompts, not {inputs.benchmark}")
+    goal = parse_goal(inputs.instruction)
+    if goal is None:
+        raise ValueError(f"no ALFWorld task type matches the instruction {inputs.instruction!r}")
+    actions, answers = executed_actions_and_answers(inputs.history, inputs.observation)
+    return task_state(goal, actions, answers, inputs.observation)
+
+
+_THINKERS = {"none": lambda inputs: "", "state": state_thinking, "plan": plan_thinking}
+
+
+def thinking_text(inputs: PromptInputs, thinking: str) -> str:
+    """What a demonstration thinks in the state of ``inputs`` under ``thinking`` (``config.SFT_THINKING``)."""
+    if thinking not in SFT_THINKING:
+        raise ValueError(f"unknown SFT thinking {thinking!r}; expected one of {SFT_THINKING}")
+    return _THINKERS[thinking](inputs)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -207,8 +263,9 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
 
     A sample's ids are the full-mode prompt, rendered by ``render_prompt`` under ``max_prompt_tokens`` exactly
     as a rollout renders it (oldest history pairs dropped first), followed by the ids of
-    :func:`response_text` of the turn's action (thinking: ``SFT_THINKING``, ``state`` writes :func:`state_thinking`
-    of the turn's inputs into the thinking block) and the tokenizer's end-of-turn token (``<|im_end|>``).
+    :func:`response_text` of the turn's action (thinking: ``SFT_THINKING``; ``state`` and ``plan`` write
+    :func:`state_thinking` or :func:`plan_thinking` of the turn's inputs into the thinking block) and the
+    tokenizer's end-of-turn token (``<|im_end|>``).
     ``loss_mask`` is True exactly on those response ids; ``behavior_logp`` is zeros and ``policy_version`` 0.
     A turn whose prompt does not fit even without history is skipped and counted in ``stats.skipped``.
 
@@ -229,7 +286,7 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
             except PromptOverBudget:
                 stats.skipped += 1
                 continue
-            thought = state_thinking(turn.inputs) if thinking == "state" else ""
+            thought = thinking_text(turn.inputs, thinking)
             response = list(tokenizer.encode(response_text(turn.action, thought))) + [end_of_turn]
             prompt_ids = list(prompt.token_ids)
             length = len(prompt_ids) + len(response)

@@ -1,0 +1,97 @@
+"""What an agent did in its ALFWorld episodes, counted from their transcripts: how far it got and how it thought.
+
+Owns :func:`transcript_counts`, read from the episode records ``experiments.evaluate`` writes (task id, the
+executed actions, the engine's answers, the model's raw answers, won): the *progress funnel* (episodes that ever
+held a goal object, that cleaned / heated / cooled it where the task asks, that put one in the goal receptacle,
+that won), the share of moves the engine refused (``Nothing happens.``) and of actions repeating the previous one,
+and the *thinking fidelity*: the share of rounds whose thinking is exactly what the SFT demonstrations would have
+thought in that state (``jaxopd.methods.sft_data.state_text`` / ``plan_text`` of the state the agent's own
+history shows), and the share that names the goal object. Everything is read from text the agent was shown; the
+goal comes from the task id (``envs.alfworld_state.goal_of_task_id``), as the records keep no instruction.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from envs.alfworld_state import goal_of_task_id, task_state
+from jaxopd.methods.sft_data import plan_text, state_text
+from jaxopd.rollout.tags import THINK_END, THINK_START
+
+__all__ = ["REFUSED", "thinking_of", "episode_progress", "transcript_counts"]
+
+REFUSED = "Nothing happens."
+"""The engine's answer to a command it does not execute (alfworld 0.4)."""
+
+_RULES = {"state": state_text, "plan": plan_text}
+
+
+def thinking_of(answer: str) -> str | None:
+    """The stripped text of an answer's thinking block, or None when the answer has none."""
+    start = answer.find(THINK_START)
+    if start < 0:
+        return None
+    end = answer.find(THINK_END, start + len(THINK_START))
+    if end < 0:
+        return None
+    return answer[start + len(THINK_START):end].strip()
+
+
+def _states(episode: Mapping[str, Any]):
+    goal = goal_of_task_id(episode["task_id"])
+    actions, feedback = list(episode["actions"]), list(episode["feedback"])
+    if len(actions) != len(feedback):
+        raise ValueError(f"episode {episode['task_id']}: {len(actions)} actions but {len(feedback)} answers")
+    # the state each round's answer was written in (after actions[:t]), then the state after the last action
+    return goal, [task_state(goal, actions[:t], feedback[:t], feedback[t - 1] if t else "")
+                  for t in range(len(actions) + 1)]
+
+
+def episode_progress(episode: Mapping[str, Any]) -> dict[str, bool]:
+    """How far one episode got: ``held`` (a goal object in hand at some turn), ``changed`` (held it cleaned,
+    heated or cooled; None for tasks that change nothing), ``placed`` (put one in the goal receptacle; None for
+    look tasks) and ``won``."""
+    goal, states = _states(episode)
+    return {"held": any(state.held for state in states),
+            "changed": any(state.changed for state in states) if goal.change else None,
+            "placed": any(state.placed for state in states) if goal.recep else None,
+            "won": bool(episode["won"])}
+
+
+def _share(count: int, total: int) -> float | None:
+    return count / total if total else None
+
+
+def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = "plan") -> dict[str, Any]:
+    """Counts over ``episodes`` (``evaluation.json``'s records). ``thinking`` (``state`` or ``plan``) is the
+    demonstrations' rule the rounds' thinking is compared with. Shares are of the rounds, or of the episodes
+    where the stage applies (``changed``: the clean / heat / cool tasks; ``placed``: all but look tasks)."""
+    if thinking not in _RULES:
+        raise ValueError(f"thinking fidelity compares with 'state' or 'plan' thinking, not {thinking!r}")
+    if not episodes:
+        raise ValueError("no episodes to count")
+    rule = _RULES[thinking]
+    rounds = refused = repeated = faithful = names_goal = no_thinking = 0
+    stages = {stage: [0, 0] for stage in ("held", "changed", "placed", "won")}
+    for episode in episodes:
+        goal, states = _states(episode)
+        actions, feedback, answers = episode["actions"], episode["feedback"], episode["answers"]
+        for t, answer in enumerate(answers[:len(actions)]):
+            rounds += 1
+            refused += feedback[t].strip() == REFUSED
+            repeated += t > 0 and actions[t] == actions[t - 1]
+            thought = thinking_of(answer)
+            if thought is None:
+                no_thinking += 1
+                continue
+            faithful += thought == rule(states[t])
+            names_goal += goal.obj in thought
+        for stage, reached in episode_progress(episode).items():
+            if reached is not None:
+                stages[stage][0] += reached
+                stages[stage][1] += 1
+    return {"episodes": len(episodes), "rounds": rounds, "thinking": thinking,
+            "refused": _share(refused, rounds), "repeated": _share(repeated, rounds),
+            "thinking_faithful": _share(faithful, rounds), "thinking_names_goal": _share(names_goal, rounds),
+            "no_thinking": _share(no_thinking, rounds),
+            "funnel": {stage: {"episodes": reached, "of": total, "share": _share(reached, total)}
+                       for stage, (reached, total) in stages.items()}}

@@ -1,0 +1,119 @@
+"""Transcript counts of ALFWorld episodes (jaxopd.methods.transcripts) and their report (experiments.episode_report),
+on hand-written episodes whose every count is known."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("alfworld")
+
+COOL_ID = "alfworld/valid_unseen/pick_cool_then_place_in_recep-Mug-None-Cabinet-10/trial_S0_00001"
+LOOK_ID = "alfworld/valid_unseen/look_at_obj_in_light-CD-None-DeskLamp-305/trial_S0_00025"
+
+
+def _answer(thinking, action):
+    return f"<think>\n{thinking}\n</think>\n\n<action>{action}</action><|im_end|>"
+
+
+def _cool_episode():
+    """A cool task played to the end: 5 rounds, 1 refused, 0 repeats; plan thinking right in 4 rounds of 5."""
+    steps = [("I need a mug.", "go to drawer 1", "Nothing happens."),
+             ("I need a mug.", "go to countertop 1",
+              "You arrive at countertop 1. On the countertop 1, you see a mug 2."),
+             ("I need a mug. I see mug 2 here.", "take mug 2 from countertop 1",
+              "You pick up the mug 2 from the countertop 1."),
+             ("I hold mug 2. It goes in cabinet.", "cool mug 2 with fridge 1",
+              "You cool the mug 2 using the fridge 1."),
+             ("I hold mug 2, now cool. It goes in cabinet.", "move mug 2 to cabinet 1",
+              "You move the mug 2 to the cabinet 1.")]
+    return {"task_id": COOL_ID, "won": True, "actions": [a for _, a, _ in steps],
+            "feedback": [f for _, _, f in steps], "answers": [_answer(t, a) for t, a, _ in steps]}
+
+
+def _look_episode():
+    """A look task that never finds its object: 3 rounds, 2 refused repeats, one answer without thinking."""
+    return {"task_id": LOOK_ID, "won": False, "actions": ["go to drawer 1", "go to drawer 1", "look"],
+            "feedback": ["Nothing happens.", "Nothing happens.", "You are in the middle of a room."],
+            "answers": [_answer("I need a cd.", "go to drawer 1"), _answer("I need a desklamp.", "go to drawer 1"),
+                        "<action>look</action>"]}
+
+
+def test_goal_of_task_id():
+    from envs.alfworld_state import Goal, goal_of_task_id
+    assert goal_of_task_id(COOL_ID) == Goal("pick_cool_then_place_in_recep", "mug", "cabinet")
+    assert goal_of_task_id(LOOK_ID) == Goal("look_at_obj_in_light", "cd", toggle="desklamp")
+    assert goal_of_task_id("pick_two_obj_and_place-Vase-None-Shelf-7").count == 2
+    with pytest.raises(ValueError, match="no ALFWorld trial folder"):
+        goal_of_task_id("alfworld/valid_unseen/task-1")
+
+
+def test_thinking_of():
+    from jaxopd.methods.transcripts import thinking_of
+    assert thinking_of(_answer("I need a mug.", "look")) == "I need a mug."
+    assert thinking_of("<think>\n\n</think>\n\n<action>look</action>") == ""
+    assert thinking_of("<action>look</action>") is None
+    assert thinking_of("<think>\nunfinished") is None
+
+
+def test_episode_progress():
+    from jaxopd.methods.transcripts import episode_progress
+    assert episode_progress(_cool_episode()) == {"held": True, "changed": True, "placed": True, "won": True}
+    assert episode_progress(_look_episode()) == {"held": False, "changed": None, "placed": None, "won": False}
+    partial = _cool_episode()
+    for key in ("actions", "feedback", "answers"):
+        partial[key] = partial[key][:3]
+    partial["won"] = False
+    assert episode_progress(partial) == {"held": True, "changed": False, "placed": False, "won": False}
+
+
+def test_transcript_counts_by_hand():
+    from jaxopd.methods.transcripts import transcript_counts
+    counts = transcript_counts([_cool_episode(), _look_episode()], thinking="plan")
+    assert counts["episodes"] == 2 and counts["rounds"] == 8
+    assert counts["refused"] == pytest.approx(3 / 8)
+    assert counts["repeated"] == pytest.approx(1 / 8)
+    # faithful: the cool episode's rounds 1, 2, 3 and 5 (round 4 should have said "I must cool it with a fridge."),
+    # the look episode's round 1 ("I need a cd."); 7 rounds have thinking
+    assert counts["thinking_faithful"] == pytest.approx(5 / 8)
+    assert counts["thinking_names_goal"] == pytest.approx(6 / 8)     # "mug" 5 times, "cd" once
+    assert counts["no_thinking"] == pytest.approx(1 / 8)
+    assert counts["funnel"] == {"held": {"episodes": 1, "of": 2, "share": 0.5},
+                                "changed": {"episodes": 1, "of": 1, "share": 1.0},
+                                "placed": {"episodes": 1, "of": 1, "share": 1.0},
+                                "won": {"episodes": 1, "of": 2, "share": 0.5}}
+    state = transcript_counts([_cool_episode()], thinking="state")
+    # state thinking of the same rounds: "I need a mug." twice, "... I see mug 2 here.", "I hold mug 2.",
+    # "I hold mug 2, now cool." -- none of the last two match the plan words written above
+    assert state["thinking_faithful"] == pytest.approx(3 / 5)
+    with pytest.raises(ValueError, match="not 'chain'"):
+        transcript_counts([_cool_episode()], thinking="chain")
+    with pytest.raises(ValueError, match="no episodes"):
+        transcript_counts([], thinking="plan")
+    broken = _cool_episode()
+    broken["feedback"] = broken["feedback"][:2]
+    with pytest.raises(ValueError, match="5 actions but 2 answers"):
+        transcript_counts([broken])
+
+
+def test_episode_report_cli(tmp_path, capsys):
+    from experiments.episode_report import main
+    first, second = tmp_path / "a", tmp_path / "b.json"
+    first.mkdir()
+    (first / "evaluation.json").write_text(json.dumps({"episodes": [_cool_episode(), _look_episode()]}))
+    second.write_text(json.dumps({"episodes": [_look_episode()]}))
+    out = tmp_path / "out"
+    assert main(["--eval", f"one={first}", "--eval", f"two={second}", "--out", str(out)]) == 0
+    report = json.loads((out / "transcripts.json").read_text())
+    assert report["evaluations"]["one"]["funnel"]["won"]["episodes"] == 1
+    assert report["evaluations"]["two"]["refused"] == pytest.approx(2 / 3)
+    table = (out / "transcripts.md").read_text()
+    assert "| one | 2 | 1/2 | 1/1 | 1/1 | 1/2 | 37.5 % | 12.5 % | 62.5 % | 75.0 % |" in table
+    assert (out / "funnel.png").stat().st_size > 0
+    capsys.readouterr()
+    assert main(["--eval", "x", "--out", str(out)]) == 2
+    assert "LABEL=PATH" in capsys.readouterr().err
+    assert main(["--eval", f"one={tmp_path / 'missing'}", "--out", str(out)]) == 2
+    assert "no evaluation file" in capsys.readouterr().err
+    assert main(["--eval", f"one={second}", "--eval", f"one={second}", "--out", str(out)]) == 2
+    assert "labels must differ" in capsys.readouterr().err
