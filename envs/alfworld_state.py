@@ -4,7 +4,7 @@ Owns :class:`Goal` (task type and the object, receptacle and lamp classes of an 
 alfworld wheel's own goal templates (``alfworld.gen.goal_library``, the text the games' instructions were
 written from), and :func:`task_state`, the state an agent knows from the instruction, its executed actions with
 the engine's answers, and the current observation: the goal object it holds, whether that object is now clean,
-hot or cool, how many goal objects it has put in place, and the goal objects (and lamps) in view; and
+hot or cool, how many goal objects it has put in place, the goal objects (and lamps) in view, and where it is; and
 ``CHANGE_TOOLS``, the command verb and receptacle class that clean, heat or cool an object. Everything is read
 from text the agent was shown; nothing comes from the game's hidden state. ``jaxopd.methods.sft_data``
 writes it into the thinking of SFT demonstrations.
@@ -27,6 +27,9 @@ _INSTRUCTION_PREFIX = "your task is to:"
 # The engine's answers that change what the agent holds or the held object's state (alfworld 0.4's wording).
 _TAKEN = re.compile(r"^you pick up the (?P<name>[a-z]+ \d+) from the ")
 _PUT = re.compile(r"^you (?:move|put) the (?P<name>[a-z]+ \d+) (?:to|in|on) the (?P<recep>[a-z]+) \d+")
+_ARRIVED = re.compile(r"^you arrive at (?P<name>[a-z]+ \d+)\.")
+_OPENED = re.compile(r"^you open the (?P<name>[a-z]+ \d+)\.")
+_CLOSED = re.compile(r"^you close the (?P<name>[a-z]+ \d+)\.")
 _CHANGED = {"clean": re.compile(r"^you clean the (?P<name>[a-z]+ \d+) using "),
             "hot": re.compile(r"^you heat the (?P<name>[a-z]+ \d+) using "),
             "cool": re.compile(r"^you cool the (?P<name>[a-z]+ \d+) using ")}
@@ -123,7 +126,9 @@ class TaskState:
     ``changed`` (whether the held object has reached the goal's state: cleaned, heated or cooled), ``placed`` (goal
     objects put in the goal receptacle so far), ``in_view`` (goal objects the current observation names, less the
     held and the placed ones) and
-    ``lamps_in_view`` (look tasks: the lamps it names)."""
+    ``lamps_in_view`` (look tasks: the lamps it names); ``location`` (the receptacle of the last ``go to`` the
+    engine answered with an arrival, None before) and ``location_closed`` (the engine said it is closed, and it
+    was not opened since)."""
 
     goal: Goal
     held: str | None
@@ -131,6 +136,8 @@ class TaskState:
     placed: int
     in_view: tuple[str, ...]
     lamps_in_view: tuple[str, ...] = ()
+    location: str | None = None
+    location_closed: bool = False
 
 
 def task_state(goal: Goal, actions: Sequence[str], answers: Sequence[str], observation: str) -> TaskState:
@@ -141,8 +148,18 @@ def task_state(goal: Goal, actions: Sequence[str], answers: Sequence[str], obser
     held: str | None = None
     changed_objects: set[str] = set()
     placed: list[str] = []
+    location, closed = None, False
     for answer in answers:
         text = " ".join(answer.lower().split())
+        arrived = _ARRIVED.match(text)
+        if arrived:
+            location = arrived.group("name")
+            closed = f"the {location} is closed" in text
+            continue
+        for pattern, now_closed in ((_OPENED, False), (_CLOSED, True)):
+            toggled = pattern.match(text)
+            if toggled and toggled.group("name") == location:
+                closed = now_closed
         taken = _TAKEN.match(text)
         if taken:
             name = taken.group("name")
@@ -164,4 +181,4 @@ def task_state(goal: Goal, actions: Sequence[str], answers: Sequence[str], obser
     return TaskState(goal=goal, held=held, changed=held is not None and held in changed_objects, placed=len(placed),
                      in_view=tuple(name for name in objects_in_view(observation, goal.obj)
                                    if name != held and name not in placed),
-                     lamps_in_view=lamps)
+                     lamps_in_view=lamps, location=location, location_closed=closed)

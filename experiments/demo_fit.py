@@ -80,6 +80,10 @@ def run(args, argv) -> int:
                      f"{cell(row['goal_object_exact'])} ({row['goal_mentions']} mentions) |")
     table = "\n".join(lines) + (f"\n\n{len(samples)} teacher-forced turns of {len(references)} `{args.split}` games "
                                 f"({args.demonstrations}, thinking {args.thinking}).\n")
+    table += "\nAction exact by the demonstrated action's verb (exact / turns):\n\n"
+    for folder, row in rows.items():
+        table += f"- `{folder}`: " + ", ".join(f"{verb} {c['exact']}/{c['turns']}"
+                                              for verb, c in row["action_exact_by_verb"].items()) + "\n"
     print(table)
     out.write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(table)

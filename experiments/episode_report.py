@@ -24,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = Parser(prog="python -m experiments.episode_report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--eval", required=True, action="append", metavar="LABEL=PATH",
                         help="an experiments.evaluate folder or its evaluation.json (repeat to compare)")
-    parser.add_argument("--thinking", default="plan", choices=("state", "plan"),
+    parser.add_argument("--thinking", default="plan", choices=("state", "plan", "plan-here"),
                         help="the demonstrations' thinking rule that the rounds' thinking is compared with")
     parser.add_argument("--out", required=True, help="output folder")
     args = parser.parse_args(argv)

@@ -70,6 +70,8 @@ def test_task_state_through_a_cool_task():
     assert states[1].in_view == ("mug 2",) and states[4].in_view == ()      # the held one is not "in view"
     assert states[7].in_view == ("mug 1",)
     assert [s.placed for s in states] == [0] * 8 + [1]
+    assert [s.location for s in states] == [None] + ["countertop 1"] * 4 + ["fridge 1"] * 2 + ["cabinet 1"] * 2
+    assert [s.location_closed for s in states] == [False] * 5 + [True, True, False, False]
     with pytest.raises(ValueError, match="2 actions but 1 answers"):
         task_state(goal, ["a", "b"], ["x"], "")
 
@@ -89,3 +91,20 @@ def test_task_state_two_objects_and_lamps():
     state = task_state(goal, actions[:1] + ["move vase 1 to sidetable 1"],
                        answers[:1] + ["You move the vase 1 to the sidetable 1."], "")
     assert state.placed == 0 and state.held is None
+
+
+def test_task_state_location_opened_and_closed():
+    goal = parse_goal("Your task is to: put some keychain on dresser.")
+    steps = [("go to drawer 1", "You arrive at drawer 1. The drawer 1 is closed."),
+             ("open drawer 2", "Nothing happens."),
+             ("open drawer 1", "You open the drawer 1. The drawer 1 is open. In it, you see a keychain 3."),
+             ("close drawer 1", "You close the drawer 1."),
+             ("open drawer 1", "You open the drawer 1. The drawer 1 is open. In it, you see a keychain 3."),
+             ("go to dresser 1", "You arrive at dresser 1. On the dresser 1, you see nothing.")]
+    where = []
+    for count in range(len(steps) + 1):
+        answers = [o for _, o in steps[:count]]
+        state = task_state(goal, [a for a, _ in steps[:count]], answers, answers[-1] if answers else "")
+        where.append((state.location, state.location_closed))
+    assert where == [(None, False), ("drawer 1", True), ("drawer 1", True), ("drawer 1", False), ("drawer 1", True),
+                     ("drawer 1", False), ("dresser 1", False)]

@@ -60,19 +60,27 @@ def dense_expectation(model, tokenizer, samples, goals):
             span = token_spans(pieces, at, at + len(goal))
             probs.append(np.exp(token_logp[span[0]]))
             goal_hits.append(argmax_ok[span].all())
-    return nll / count, np.mean(action_hits), np.mean(probs), np.mean(goal_hits), len(probs)
+    by_verb = {}
+    for sample, hit in zip(samples, action_hits):
+        text = tokenizer.decode(list(sample.tokens[sample.loss_mask]))
+        verb = text[text.index("<action>") + 8:].split()[0]
+        by_verb.setdefault(verb, {"exact": 0, "turns": 0})
+        by_verb[verb]["exact"] += int(hit)
+        by_verb[verb]["turns"] += 1
+    return nll / count, np.mean(action_hits), np.mean(probs), np.mean(goal_hits), len(probs), by_verb
 
 
 def test_fit_matches_a_dense_recompute(setup):
     tokenizer, model, samples = setup
     goals = ["mug", "apple", "pen"]
     fit = demonstration_fit(model, samples, tokenizer, goal_objects=goals, batch_size=2)
-    nll, action, prob, goal_exact, mentions = dense_expectation(model, tokenizer, samples, goals)
+    nll, action, prob, goal_exact, mentions, by_verb = dense_expectation(model, tokenizer, samples, goals)
     assert fit["turns"] == 3 and fit["action_turns"] == 3 and fit["goal_mentions"] == mentions == 3
     assert fit["response_tokens"] == sum(s.num_supervised for s in samples)
     np.testing.assert_allclose(fit["response_nll"], nll, rtol=1e-4)
     np.testing.assert_allclose(fit["goal_object_prob"], prob, rtol=1e-3)
     assert fit["action_exact"] == action and fit["goal_object_exact"] == goal_exact
+    assert fit["action_exact_by_verb"] == by_verb and by_verb["go"]["turns"] == 2 and by_verb["take"]["turns"] == 1
     # a random model is near-uniform over 151,936 ids: nothing is copied
     assert fit["response_nll"] > 11.0 and fit["goal_object_prob"] < 1e-4
 

@@ -532,6 +532,28 @@ def test_plan_thinking_by_hand():
         plan_thinking(_inputs("Your task is to: dance.", [], "x"))
 
 
+def test_plan_here_thinking_by_hand():
+    """Plan-here thinking: the plan, then the receptacle last arrived at and whether it is closed."""
+    pytest.importorskip("alfworld")
+    from jaxopd.methods.sft_data import plan_here_thinking, thinking_text
+    cool = "Your task is to: cool some mug and put it in cabinet."
+    assert plan_here_thinking(_inputs(cool, [], "You are in the middle of a room.")) == "I need a mug."
+    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2, a mug 1.")]
+    assert plan_here_thinking(_inputs(cool, seen, "")) == "I need a mug. I see mug 2 here. I am at countertop 1."
+    held = seen + [("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1.")]
+    assert plan_here_thinking(_inputs(cool, held, "")) == ("I hold mug 2. I must cool it with a fridge. "
+                                                          "I am at countertop 1.")
+    fridge = held + [("go to fridge 1", "You arrive at fridge 1. The fridge 1 is closed.")]
+    assert plan_here_thinking(_inputs(cool, fridge, "")) == ("I hold mug 2. I must cool it with a fridge. "
+                                                            "I am at fridge 1. It is closed.")
+    cooled = fridge + [("cool mug 2 with fridge 1", "You cool the mug 2 using the fridge 1."),
+                       ("go to cabinet 1", "You arrive at cabinet 1. The cabinet 1 is closed."),
+                       ("open cabinet 1", "You open the cabinet 1. The cabinet 1 is open. In it, you see nothing.")]
+    assert thinking_text(_inputs(cool, cooled, ""), "plan-here") == ("I hold mug 2, now cool. It goes in cabinet. "
+                                                                     "I am at cabinet 1.")
+    assert thinking_text(_inputs(cool, cooled, ""), "plan") == "I hold mug 2, now cool. It goes in cabinet."
+
+
 def test_walkthrough_samples_with_state_thinking(alfworld, tok):
     from jaxopd.methods.sft_data import state_thinking
     _, _, reference = alfworld

@@ -86,6 +86,8 @@ def test_transcript_counts_by_hand():
     # state thinking of the same rounds: "I need a mug." twice, "... I see mug 2 here.", "I hold mug 2.",
     # "I hold mug 2, now cool." -- none of the last two match the plan words written above
     assert state["thinking_faithful"] == pytest.approx(3 / 5)
+    # plan-here adds "I am at countertop 1." from round 3 on, which the rounds above do not say
+    assert transcript_counts([_cool_episode()], thinking="plan-here")["thinking_faithful"] == pytest.approx(2 / 5)
     with pytest.raises(ValueError, match="not 'chain'"):
         transcript_counts([_cool_episode()], thinking="chain")
     with pytest.raises(ValueError, match="no episodes"):

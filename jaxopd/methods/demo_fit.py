@@ -61,6 +61,7 @@ def demonstration_fit(model: Any, samples: Sequence[Sample], tokenizer: Any, *,
 
     ``goal_objects[i]``: the goal-object class of sample i's task (None: not scored). Returns ``turns``,
     ``response_tokens``, ``response_nll``, ``action_turns`` (turns whose action tags were found), ``action_exact``,
+    ``action_exact_by_verb`` (per first word of the demonstrated action, ``go``, ``take``, ...: exact turns of turns),
     and with goal objects ``goal_mentions``, ``goal_object_prob`` and ``goal_object_exact`` (None without mentions).
     """
     if not samples:
@@ -71,6 +72,7 @@ def demonstration_fit(model: Any, samples: Sequence[Sample], tokenizer: Any, *,
     width = max(s.num_supervised for s in samples)
     nll, tokens_seen, action_turns, action_hits = 0.0, 0, 0, 0
     mentions, goal_prob, goal_hits = 0, 0.0, 0
+    by_verb: dict[str, list[int]] = {}
     for start in range(0, len(samples), batch_size):
         chunk = list(samples[start:start + batch_size])
         batch = collate_samples(chunk, batch_size=batch_size, length_multiple=length_multiple)
@@ -90,6 +92,10 @@ def demonstration_fit(model: Any, samples: Sequence[Sample], tokenizer: Any, *,
                 if span:
                     action_turns += 1
                     action_hits += int(row_hit[span].all())
+                    verb = (text[opened + len(ACTION_START):closed].split() or [""])[0]
+                    counts = by_verb.setdefault(verb, [0, 0])
+                    counts[0] += int(row_hit[span].all())
+                    counts[1] += 1
             goal = None if goal_objects is None else goal_objects[start + row]
             match = re.search(rf"\b{re.escape(goal)}\b", text) if goal else None
             if match:
@@ -99,7 +105,9 @@ def demonstration_fit(model: Any, samples: Sequence[Sample], tokenizer: Any, *,
                 goal_hits += int(row_hit[span].all())
     result: dict[str, Any] = {"turns": len(samples), "response_tokens": tokens_seen,
                               "response_nll": nll / max(tokens_seen, 1), "action_turns": action_turns,
-                              "action_exact": action_hits / action_turns if action_turns else None}
+                              "action_exact": action_hits / action_turns if action_turns else None,
+                              "action_exact_by_verb": {verb: {"exact": hits, "turns": turns}
+                                                       for verb, (hits, turns) in sorted(by_verb.items())}}
     if goal_objects is not None:
         result.update(goal_mentions=mentions, goal_object_prob=goal_prob / mentions if mentions else None,
                       goal_object_exact=goal_hits / mentions if mentions else None)

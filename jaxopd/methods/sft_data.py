@@ -5,9 +5,9 @@ searching expert's won episode (``config.SFT_DEMONSTRATIONS`` maps ``RunConfig.s
 The functions below say "walkthrough" for either.
 
 Owns the teacher's target answer for one turn (:func:`response_text`: Qwen3's thinking block, empty or holding
-:func:`state_thinking`'s reasoning over what the prompt shows or :func:`plan_thinking`'s, which adds the step it
-calls for, chosen by :func:`thinking_text`; and the ``<action>`` tag, what the rollout's full
-think-then-act mode parses), the per-turn prompt inputs of a
+:func:`state_thinking`'s reasoning over what the prompt shows, :func:`plan_thinking`'s, which adds the step it
+calls for, or :func:`plan_here_thinking`'s, which adds where the agent is, chosen by :func:`thinking_text`; and
+the ``<action>`` tag, what the rollout's full think-then-act mode parses), the per-turn prompt inputs of a
 reference trajectory built exactly as a live rollout builds them (:func:`walkthrough_turns`, mirroring
 ``RolloutStrategy.prompt_inputs``, so an SFT prompt is byte-identical to the prompt the agent sees at that
 state), their tokenisation into ``train.buffer.Sample`` records under the rollout's prompt budget
@@ -32,8 +32,8 @@ from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, executed_acti
 from jaxopd.rollout.tags import ACTION_END, ACTION_START, THINK_END, THINK_START
 from jaxopd.train.buffer import Sample
 
-__all__ = ["SFT_MODE", "response_text", "state_thinking", "plan_thinking", "state_text", "plan_text",
-           "thinking_text", "WalkthroughTurn",
+__all__ = ["SFT_MODE", "response_text", "state_thinking", "plan_thinking", "plan_here_thinking", "state_text",
+           "plan_text", "plan_here_text", "thinking_text", "WalkthroughTurn",
            "walkthrough_turns", "WalkthroughStats", "walkthrough_samples", "SFTDataset"]
 
 SFT_MODE = "full"
@@ -130,6 +130,26 @@ def plan_text(state: TaskState) -> str:
     return " ".join(parts)
 
 
+def plan_here_thinking(inputs: PromptInputs) -> str:
+    """:func:`plan_thinking` and where the agent is (``--sft-thinking plan-here``).
+
+    After the plan, the receptacle the agent last arrived at, and whether the engine said it is closed (``"I hold
+    mug 2. I must cool it with a fridge. I am at fridge 1."``, ``"I need a mug. I am at drawer 1. It is closed."``;
+    nothing before the first arrival). The plan says what the step needs, the location whether it can be done
+    here: side by side, the two pick the command's verb (``cool`` here, ``go`` elsewhere; ``open`` a closed one;
+    ``take`` an object in view) and hold both names the command copies. ``ValueError`` as there.
+    """
+    return plan_here_text(_state_of(inputs, "plan-here"))
+
+
+def plan_here_text(state: TaskState) -> str:
+    """:func:`plan_here_thinking`'s words for a ``TaskState`` (``envs.alfworld_state.task_state``)."""
+    text = plan_text(state)
+    if state.location is not None:
+        text += f" I am at {state.location}." + (" It is closed." if state.location_closed else "")
+    return text
+
+
 def _state_of(inputs: PromptInputs, kind: str) -> TaskState:
     if inputs.benchmark != "alfworld":
         raise ValueError(f"{kind} thinking reads ALFWorld prompts, not {inputs.benchmark}")
@@ -140,7 +160,8 @@ def _state_of(inputs: PromptInputs, kind: str) -> TaskState:
     return task_state(goal, actions, answers, inputs.observation)
 
 
-_THINKERS = {"none": lambda inputs: "", "state": state_thinking, "plan": plan_thinking}
+_THINKERS = {"none": lambda inputs: "", "state": state_thinking, "plan": plan_thinking,
+             "plan-here": plan_here_thinking}
 
 
 def thinking_text(inputs: PromptInputs, thinking: str) -> str:
@@ -263,8 +284,8 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
 
     A sample's ids are the full-mode prompt, rendered by ``render_prompt`` under ``max_prompt_tokens`` exactly
     as a rollout renders it (oldest history pairs dropped first), followed by the ids of
-    :func:`response_text` of the turn's action (thinking: ``SFT_THINKING``; ``state`` and ``plan`` write
-    :func:`state_thinking` or :func:`plan_thinking` of the turn's inputs into the thinking block) and the
+    :func:`response_text` of the turn's action (thinking: ``SFT_THINKING``; ``state``, ``plan`` and ``plan-here``
+    write the turn's :func:`thinking_text` into the thinking block) and the
     tokenizer's end-of-turn token (``<|im_end|>``).
     ``loss_mask`` is True exactly on those response ids; ``behavior_logp`` is zeros and ``policy_version`` 0.
     A turn whose prompt does not fit even without history is skipped and counted in ``stats.skipped``.

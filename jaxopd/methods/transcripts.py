@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from envs.alfworld_state import goal_of_task_id, task_state
-from jaxopd.methods.sft_data import plan_text, state_text
+from jaxopd.methods.sft_data import plan_here_text, plan_text, state_text
 from jaxopd.rollout.tags import THINK_END, THINK_START
 
 __all__ = ["REFUSED", "thinking_of", "episode_progress", "transcript_counts"]
@@ -22,7 +22,7 @@ __all__ = ["REFUSED", "thinking_of", "episode_progress", "transcript_counts"]
 REFUSED = "Nothing happens."
 """The engine's answer to a command it does not execute (alfworld 0.4)."""
 
-_RULES = {"state": state_text, "plan": plan_text}
+_RULES = {"state": state_text, "plan": plan_text, "plan-here": plan_here_text}
 
 
 def thinking_of(answer: str) -> str | None:
@@ -62,11 +62,11 @@ def _share(count: int, total: int) -> float | None:
 
 
 def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = "plan") -> dict[str, Any]:
-    """Counts over ``episodes`` (``evaluation.json``'s records). ``thinking`` (``state`` or ``plan``) is the
-    demonstrations' rule the rounds' thinking is compared with. Shares are of the rounds, or of the episodes
+    """Counts over ``episodes`` (``evaluation.json``'s records). ``thinking`` (``state``, ``plan`` or
+    ``plan-here``) is the demonstrations' rule the rounds' thinking is compared with. Shares are of the rounds, or of the episodes
     where the stage applies (``changed``: the clean / heat / cool tasks; ``placed``: all but look tasks)."""
     if thinking not in _RULES:
-        raise ValueError(f"thinking fidelity compares with 'state' or 'plan' thinking, not {thinking!r}")
+        raise ValueError(f"thinking fidelity compares with one of {tuple(_RULES)} thinking, not {thinking!r}")
     if not episodes:
         raise ValueError("no episodes to count")
     rule = _RULES[thinking]
