@@ -63,8 +63,9 @@ def _share(count: int, total: int) -> float | None:
 
 def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = "plan") -> dict[str, Any]:
     """Counts over ``episodes`` (``evaluation.json``'s records). ``thinking`` (``state``, ``plan`` or
-    ``plan-here``) is the demonstrations' rule the rounds' thinking is compared with. Shares are of the rounds, or of the episodes
-    where the stage applies (``changed``: the clean / heat / cool tasks; ``placed``: all but look tasks)."""
+    ``plan-here``) is the demonstrations' rule the rounds' thinking is compared with. Shares are of the rounds,
+    or of the episodes where the stage applies (``changed``: the clean / heat / cool tasks; ``placed``: all but
+    look tasks)."""
     if thinking not in _RULES:
         raise ValueError(f"thinking fidelity compares with one of {tuple(_RULES)} thinking, not {thinking!r}")
     if not episodes:
