@@ -16,12 +16,13 @@ import functools
 import re
 from typing import Sequence
 
+from envs.alfworld_engine import TASK_TYPES
+
 __all__ = ["ALFWORLD_GOAL_TYPES", "CHANGE_TOOLS", "Goal", "parse_goal", "goal_of_task_id", "TaskState", "task_state",
            "objects_in_view"]
 
-ALFWORLD_GOAL_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
-                       "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
-"""The six task types of ALFWorld's games (``alfworld.gen.goal_library`` keys)."""
+ALFWORLD_GOAL_TYPES = TASK_TYPES
+"""The six task types of ALFWorld's games (``alfworld.gen.goal_library`` keys; owned by ``envs.alfworld_engine``)."""
 
 _INSTRUCTION_PREFIX = "your task is to:"
 # The engine's answers that change what the agent holds or the held object's state (alfworld 0.4's wording).

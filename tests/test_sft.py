@@ -494,7 +494,10 @@ def test_state_thinking_by_hand():
 def test_plan_thinking_by_hand():
     """Plan thinking: the state of ``state_thinking`` and the step it calls for (the tool, then the destination)."""
     pytest.importorskip("alfworld")
-    from jaxopd.methods.sft_data import plan_thinking, thinking_text
+    from jaxopd.methods.sft_data import thinking_text
+
+    def plan_thinking(inputs):
+        return thinking_text(inputs, "plan")
     cool = "Your task is to: cool some mug and put it in cabinet."
     assert plan_thinking(_inputs(cool, [], "You are in the middle of a room.")) == "I need a mug."
     seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2, a mug 1.")]
@@ -535,7 +538,10 @@ def test_plan_thinking_by_hand():
 def test_plan_here_thinking_by_hand():
     """Plan-here thinking: the plan, then the receptacle last arrived at and whether it is closed."""
     pytest.importorskip("alfworld")
-    from jaxopd.methods.sft_data import plan_here_thinking, thinking_text
+    from jaxopd.methods.sft_data import thinking_text
+
+    def plan_here_thinking(inputs):
+        return thinking_text(inputs, "plan-here")
     cool = "Your task is to: cool some mug and put it in cabinet."
     assert plan_here_thinking(_inputs(cool, [], "You are in the middle of a room.")) == "I need a mug."
     seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2, a mug 1.")]

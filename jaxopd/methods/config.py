@@ -21,8 +21,8 @@ ROLLOUT_MODES = ("async", "sync")
 SFT_THINKING = ("none", "state", "plan", "plan-here")
 """What an SFT demonstration thinks before its action: ``none`` (Qwen3's empty thinking block), ``state`` (ALFWorld:
 a short reasoning over what the prompt shows, ``jaxopd.methods.sft_data.state_thinking``) or ``plan`` (ALFWorld: that
-state and the step it calls for, the tool or the destination, ``jaxopd.methods.sft_data.plan_thinking``) or
-``plan-here`` (ALFWorld: the plan and where the agent is, ``jaxopd.methods.sft_data.plan_here_thinking``)."""
+state and the step it calls for, the tool or the destination, ``jaxopd.methods.sft_data.plan_text``) or
+``plan-here`` (ALFWorld: the plan and where the agent is, ``jaxopd.methods.sft_data.plan_here_text``)."""
 SFT_DEMONSTRATIONS = {"walkthrough": "solution", "searching-expert": "searching_expert"}
 """What SFT imitates, each with the ``envs.references`` kind of its references: the planner's walkthrough (it knows
 where everything lies; ScienceWorld's gold path), or ALFWorld's searching expert (``envs.alfworld_expert``: it looks

@@ -90,12 +90,13 @@ def demonstration_fit(model: Any, samples: Sequence[Sample], tokenizer: Any, *,
             if 0 <= opened < closed:
                 span = token_spans(pieces, opened + len(ACTION_START), closed)
                 if span:
-                    action_turns += 1
-                    action_hits += int(row_hit[span].all())
+                    exact = int(row_hit[span].all())
                     verb = (text[opened + len(ACTION_START):closed].split() or [""])[0]
                     counts = by_verb.setdefault(verb, [0, 0])
-                    counts[0] += int(row_hit[span].all())
+                    counts[0] += exact
                     counts[1] += 1
+                    action_turns += 1
+                    action_hits += exact
             goal = None if goal_objects is None else goal_objects[start + row]
             match = re.search(rf"\b{re.escape(goal)}\b", text) if goal else None
             if match:

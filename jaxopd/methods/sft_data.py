@@ -5,8 +5,8 @@ searching expert's won episode (``config.SFT_DEMONSTRATIONS`` maps ``RunConfig.s
 The functions below say "walkthrough" for either.
 
 Owns the teacher's target answer for one turn (:func:`response_text`: Qwen3's thinking block, empty or holding
-:func:`state_thinking`'s reasoning over what the prompt shows, :func:`plan_thinking`'s, which adds the step it
-calls for, or :func:`plan_here_thinking`'s, which adds where the agent is, chosen by :func:`thinking_text`; and
+:func:`state_thinking`'s reasoning over what the prompt shows, :func:`plan_text`'s, which adds the step it
+calls for, or :func:`plan_here_text`'s, which adds where the agent is, chosen by :func:`thinking_text`; and
 the ``<action>`` tag, what the rollout's full think-then-act mode parses), the per-turn prompt inputs of a
 reference trajectory built exactly as a live rollout builds them (:func:`walkthrough_turns`, mirroring
 ``RolloutStrategy.prompt_inputs``, so an SFT prompt is byte-identical to the prompt the agent sees at that
@@ -32,8 +32,8 @@ from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, executed_acti
 from jaxopd.rollout.tags import ACTION_END, ACTION_START, THINK_END, THINK_START
 from jaxopd.train.buffer import Sample
 
-__all__ = ["SFT_MODE", "response_text", "state_thinking", "plan_thinking", "plan_here_thinking", "state_text",
-           "plan_text", "plan_here_text", "thinking_text", "WalkthroughTurn",
+__all__ = ["SFT_MODE", "response_text", "state_thinking", "state_text", "plan_text", "plan_here_text", "THINKING_RULES",
+           "thinking_text", "WalkthroughTurn",
            "walkthrough_turns", "WalkthroughStats", "walkthrough_samples", "SFTDataset"]
 
 SFT_MODE = "full"
@@ -74,7 +74,7 @@ def state_thinking(inputs: PromptInputs) -> str:
     written by this rule, not by a model; it gives the demonstration a state to reason from and ActFirst-OPD
     thinking to skip. ``ValueError`` for an instruction of none of the six task types.
     """
-    return state_text(_state_of(inputs, "state"))
+    return thinking_text(inputs, "state")
 
 
 def state_text(state: TaskState) -> str:
@@ -94,23 +94,17 @@ def state_text(state: TaskState) -> str:
     return " ".join(parts)
 
 
-def plan_thinking(inputs: PromptInputs) -> str:
-    """:func:`state_thinking`'s state with the step it calls for next (``--sft-thinking plan``).
-
-    The same reading of the prompt, and what the task still asks of that state, in the instruction's and the
-    commands' words: holding an object that must be cleaned, heated or cooled, the command and receptacle class
-    that do it (``"I hold apple 4. I must cool it with a fridge."``, ``envs.alfworld_state.CHANGE_TOOLS``); once
-    it is changed (or when the task changes nothing), the receptacle class it goes in (``"I hold apple 4, now
-    cool. It goes in garbagecan."``); in a look task, the lamp to find (``"I hold cd 1. I need a desklamp."``). A
-    two-object task counts its placed objects from the first turn (``"0 of 2 placed."``), so a count never
-    appears in a one-object task's thinking. The object still needed and the first in view are said as in
-    :func:`state_thinking`. ``ValueError`` as there.
-    """
-    return plan_text(_state_of(inputs, "plan"))
-
-
 def plan_text(state: TaskState) -> str:
-    """:func:`plan_thinking`'s words for a ``TaskState`` (``envs.alfworld_state.task_state``)."""
+    """:func:`state_text`'s state with the step it calls for next (``--sft-thinking plan``).
+
+    What the task still asks of that state, in the instruction's and the commands' words: holding an object that
+    must be cleaned, heated or cooled, the command and receptacle class that do it (``"I hold apple 4. I must cool
+    it with a fridge."``, ``envs.alfworld_state.CHANGE_TOOLS``); once it is changed (or when the task changes
+    nothing), the receptacle class it goes in (``"I hold apple 4, now cool. It goes in garbagecan."``); in a look
+    task, the lamp to find (``"I hold cd 1. I need a desklamp."``). A two-object task counts its placed objects
+    from the first turn (``"0 of 2 placed."``), so a count never appears in a one-object task's thinking. The
+    object still needed and the first in view are said as in :func:`state_text`.
+    """
     goal = state.goal
     parts = [f"{state.placed} of {goal.count} placed."] if goal.count > 1 else []
     if state.held is None:
@@ -130,20 +124,15 @@ def plan_text(state: TaskState) -> str:
     return " ".join(parts)
 
 
-def plan_here_thinking(inputs: PromptInputs) -> str:
-    """:func:`plan_thinking` and where the agent is (``--sft-thinking plan-here``).
+def plan_here_text(state: TaskState) -> str:
+    """:func:`plan_text` and where the agent is (``--sft-thinking plan-here``).
 
     After the plan, the receptacle the agent last arrived at, and whether the engine said it is closed (``"I hold
     mug 2. I must cool it with a fridge. I am at fridge 1."``, ``"I need a mug. I am at drawer 1. It is closed."``;
     nothing before the first arrival). The plan says what the step needs, the location whether it can be done
     here: side by side, the two pick the command's verb (``cool`` here, ``go`` elsewhere; ``open`` a closed one;
-    ``take`` an object in view) and hold both names the command copies. ``ValueError`` as there.
+    ``take`` an object in view) and hold both names the command copies.
     """
-    return plan_here_text(_state_of(inputs, "plan-here"))
-
-
-def plan_here_text(state: TaskState) -> str:
-    """:func:`plan_here_thinking`'s words for a ``TaskState`` (``envs.alfworld_state.task_state``)."""
     text = plan_text(state)
     if state.location is not None:
         text += f" I am at {state.location}." + (" It is closed." if state.location_closed else "")
@@ -160,15 +149,18 @@ def _state_of(inputs: PromptInputs, kind: str) -> TaskState:
     return task_state(goal, actions, answers, inputs.observation)
 
 
-_THINKERS = {"none": lambda inputs: "", "state": state_thinking, "plan": plan_thinking,
-             "plan-here": plan_here_thinking}
+THINKING_RULES = {"state": state_text, "plan": plan_text, "plan-here": plan_here_text}
+"""The words of each ``SFT_THINKING`` value but ``none`` for a ``TaskState``: the one table SFT writes from and
+``jaxopd.methods.transcripts`` compares an agent's thinking with."""
 
 
 def thinking_text(inputs: PromptInputs, thinking: str) -> str:
-    """What a demonstration thinks in the state of ``inputs`` under ``thinking`` (``config.SFT_THINKING``)."""
+    """What a demonstration thinks in the state of ``inputs`` under ``thinking`` (``config.SFT_THINKING``; ``none``
+    thinks nothing). ``ValueError`` for another benchmark than ALFWorld or an instruction of none of the six task
+    types."""
     if thinking not in SFT_THINKING:
         raise ValueError(f"unknown SFT thinking {thinking!r}; expected one of {SFT_THINKING}")
-    return _THINKERS[thinking](inputs)
+    return "" if thinking == "none" else THINKING_RULES[thinking](_state_of(inputs, thinking))
 
 
 # ----------------------------------------------------------------------------------------------------------

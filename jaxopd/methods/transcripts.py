@@ -5,7 +5,7 @@ executed actions, the engine's answers, the model's raw answers, won): the *prog
 held a goal object, that cleaned / heated / cooled it where the task asks, that put one in the goal receptacle,
 that won), the share of moves the engine refused (``Nothing happens.``) and of actions repeating the previous one,
 and the *thinking fidelity*: the share of rounds whose thinking is exactly what the SFT demonstrations would have
-thought in that state (``jaxopd.methods.sft_data.state_text`` / ``plan_text`` of the state the agent's own
+thought in that state (``jaxopd.methods.sft_data.THINKING_RULES`` for the state the agent's own
 history shows), and the share that names the goal object. Everything is read from text the agent was shown; the
 goal comes from the task id (``envs.alfworld_state.goal_of_task_id``), as the records keep no instruction.
 """
@@ -14,15 +14,13 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from envs.alfworld_state import goal_of_task_id, task_state
-from jaxopd.methods.sft_data import plan_here_text, plan_text, state_text
+from jaxopd.methods.sft_data import THINKING_RULES
 from jaxopd.rollout.tags import THINK_END, THINK_START
 
 __all__ = ["REFUSED", "thinking_of", "episode_progress", "transcript_counts"]
 
 REFUSED = "Nothing happens."
 """The engine's answer to a command it does not execute (alfworld 0.4)."""
-
-_RULES = {"state": state_text, "plan": plan_text, "plan-here": plan_here_text}
 
 
 def thinking_of(answer: str) -> str | None:
@@ -66,11 +64,11 @@ def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = 
     ``plan-here``) is the demonstrations' rule the rounds' thinking is compared with. Shares are of the rounds,
     or of the episodes where the stage applies (``changed``: the clean / heat / cool tasks; ``placed``: all but
     look tasks)."""
-    if thinking not in _RULES:
-        raise ValueError(f"thinking fidelity compares with one of {tuple(_RULES)} thinking, not {thinking!r}")
+    if thinking not in THINKING_RULES:
+        raise ValueError(f"thinking fidelity compares with one of {tuple(THINKING_RULES)} thinking, not {thinking!r}")
     if not episodes:
         raise ValueError("no episodes to count")
-    rule = _RULES[thinking]
+    rule = THINKING_RULES[thinking]
     rounds = refused = repeated = faithful = names_goal = no_thinking = 0
     stages = {stage: [0, 0] for stage in ("held", "changed", "placed", "won")}
     for episode in episodes:
