@@ -45,12 +45,14 @@ usually made with (alfworld 0.4's ``clean X with sinkbasin 1``, ``heat X with mi
 @dataclasses.dataclass(frozen=True)
 class Goal:
     """An instruction's task type and classes: ``obj`` to find, ``recep`` to put it in (None for look tasks),
-    ``toggle`` the lamp (look tasks only)."""
+    ``toggle`` the lamp (look tasks only); ``instruction``: the text it was parsed from, stripped, as the prompt
+    shows it (None for a goal read from a task id; not compared)."""
 
     task_type: str
     obj: str
     recep: str | None = None
     toggle: str | None = None
+    instruction: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def count(self) -> int:
@@ -94,7 +96,8 @@ def parse_goal(instruction: str) -> Goal | None:
         match = pattern.match(text)
         if match:
             slots = match.groupdict()
-            return Goal(task_type, slots["obj"], slots.get("recep"), slots.get("toggle"))
+            return Goal(task_type, slots["obj"], slots.get("recep"), slots.get("toggle"),
+                        instruction=instruction.strip())
     return None
 
 

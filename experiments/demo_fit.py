@@ -6,7 +6,9 @@ write the demonstrated action? (``jaxopd.methods.demo_fit``; seconds, where play
 
 Demonstrations are the searching expert's won episodes (or ``--demonstrations walkthrough``) of a seeded subset of
 the split's generated games, rendered as SFT renders them (``--thinking``, ``--max-prompt-tokens``). Writes JSON and
-a markdown table beside it.
+a markdown table beside it. ``--free-running`` also lets each model write its whole answer in every demonstration
+state (greedy, the paged engine, the thinking budget ``--think-tokens``), as in play: the action and thinking it
+writes itself, against the demonstration's (``jaxopd.methods.demo_fit.free_running_fit``; the answers go in the JSON).
 """
 from __future__ import annotations
 
@@ -28,6 +30,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--thinking", default="state", choices=SFT_THINKING)
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("--max-turns", type=int, default=30, help="the searching expert's turn limit")
+    parser.add_argument("--free-running", action="store_true",
+                        help="also score greedy answers the model writes itself in each demonstration state")
+    parser.add_argument("--think-tokens", type=int, nargs=2, default=[48, 64], metavar=("FIRST", "TOTAL"),
+                        help="thinking budget of a free-running answer: first-stage and total tokens (default: the "
+                             "cpu preset's 48 64)")
     parser.add_argument("--out", required=True, help="JSON file (a markdown table is written beside it)")
     args = parser.parse_args(argv)
     return run_main(lambda: run(args, argv))
@@ -43,6 +50,9 @@ def run(args, argv) -> int:
 
     if args.num_tasks < 1:
         raise UsageError(f"--num-tasks must be >= 1, got {args.num_tasks}")
+    first, total = args.think_tokens
+    if not 0 < first <= total:
+        raise UsageError(f"--think-tokens needs 0 < FIRST <= TOTAL, got {first} {total}")
     for folder in args.model:
         check_checkpoint_folder("--model", folder)
     out = check_out_file("--out", args.out)
@@ -61,13 +71,19 @@ def run(args, argv) -> int:
                                              thinking=args.thinking)
         samples += ref_samples
         goals += [goal.obj if goal else None] * len(ref_samples)
-    rows = {}
+    rows, free, answers = {}, {}, {}
     for folder in args.model:
-        rows[folder] = demonstration_fit(load_qwen3(folder), samples, tokenizer, goal_objects=goals)
+        model = load_qwen3(folder)
+        rows[folder] = demonstration_fit(model, samples, tokenizer, goal_objects=goals)
         print(f"{folder}: {json.dumps(rows[folder])}", flush=True)
+        if args.free_running:
+            free[folder], answers[folder] = _free_running(model, samples, tokenizer, goals, args)
+            print(f"{folder} free-running: {json.dumps(free[folder])}", flush=True)
     command = command_line("python -m experiments.demo_fit", argv)
     result = {"command": command, "split": args.split, "games": len(references), "turns": len(samples),
               "demonstrations": args.demonstrations, "thinking": args.thinking, "models": rows}
+    if args.free_running:
+        result.update(think_tokens=[first, total], free_running=free, free_running_answers=answers)
     head = "| model | response NLL | action exact (greedy) | goal object: p(first token) | goal object exact |"
     lines = [head, "|---|---|---|---|---|"]
 
@@ -84,11 +100,41 @@ def run(args, argv) -> int:
     for folder, row in rows.items():
         table += f"- `{folder}`: " + ", ".join(f"{verb} {c['exact']}/{c['turns']}"
                                               for verb, c in row["action_exact_by_verb"].items()) + "\n"
+    if args.free_running:
+        table += (f"\nFree-running (greedy answers the model writes itself in the same states, thinking budget "
+                  f"{first} / {total}):\n\n| model | action exact | no action | thinking exact "
+                  "| thinking names the goal |\n|---|---|---|---|---|\n")
+        for folder, row in free.items():
+            table += (f"| `{folder}` | {row['action_exact']:.3f} | {row['no_action']:.3f} | "
+                      f"{cell(row['thinking_exact'])} | {cell(row.get('thinking_names_goal'))} |\n")
+        table += "\nFree-running action exact by the demonstrated verb:\n\n"
+        for folder, row in free.items():
+            table += f"- `{folder}`: " + ", ".join(f"{verb} {c['exact']}/{c['turns']}"
+                                                  for verb, c in row["action_exact_by_verb"].items()) + "\n"
     print(table)
     out.write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(table)
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
+
+
+def _free_running(model, samples, tokenizer, goals, args):
+    import math
+
+    from jaxopd.methods.demo_fit import free_running_fit
+    from jaxopd.rollout.thinking import ThinkingBudget
+    from jaxopd.sampler import Engine, EngineConfig
+
+    first, total = args.think_tokens
+    page = 16
+    max_seq_len = math.ceil((max(len(s.tokens) for s in samples) + total + 1) / page) * page
+    slots = 8
+    config = EngineConfig(max_slots=slots, page_size=page, num_pages=slots * (max_seq_len // page) + 1,
+                          max_seq_len=max_seq_len, prefill_chunk=min(1024, max_seq_len),
+                          max_prefill_tokens=max(min(1024, max_seq_len), 4096), max_prefill_rows=4)
+    with Engine(model, config, tokenizer=tokenizer) as engine:
+        return free_running_fit(engine, samples, tokenizer, goal_objects=goals,
+                                budget=ThinkingBudget(first_stage_tokens=first, total_tokens=total))
 
 
 if __name__ == "__main__":

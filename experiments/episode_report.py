@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from jaxopd.cli import Parser, UsageError, check_out_dir, command_line, run_main
+from jaxopd.methods.config import SFT_THINKING
 
 STAGES = ("held", "changed", "placed", "won")
 STAGE_LABELS = {"held": "held a goal object", "changed": "changed it (clean/heat/cool tasks)",
@@ -24,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = Parser(prog="python -m experiments.episode_report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--eval", required=True, action="append", metavar="LABEL=PATH",
                         help="an experiments.evaluate folder or its evaluation.json (repeat to compare)")
-    parser.add_argument("--thinking", default="plan", choices=("state", "plan", "plan-here"),
+    parser.add_argument("--thinking", default="plan", choices=[t for t in SFT_THINKING if t != "none"],
                         help="the demonstrations' thinking rule that the rounds' thinking is compared with")
     parser.add_argument("--out", required=True, help="output folder")
     args = parser.parse_args(argv)

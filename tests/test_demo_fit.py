@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxopd.methods.demo_fit import demonstration_fit, token_spans
+from jaxopd.methods.demo_fit import demonstration_fit, free_running_fit, score_free_answers, token_spans
 from jaxopd.methods.sft_data import response_text
 from jaxopd.models.qwen3 import Qwen3, Qwen3Config
 from jaxopd.tokenizer import load_tokenizer
@@ -92,3 +92,42 @@ def test_a_goal_absent_from_the_response_is_not_a_mention(setup):
     assert "goal_mentions" not in demonstration_fit(model, samples, tokenizer)
     with pytest.raises(ValueError, match="2 goal objects for 3 samples"):
         demonstration_fit(model, samples, tokenizer, goal_objects=["mug", "x"])
+
+
+def test_free_answers_scored_by_hand(setup):
+    tokenizer, _, samples = setup
+    goals = ["mug", "apple", "pen"]
+    answers = [
+        "<think>\nI need a mug.\n</think>\n\n<action>go to countertop 1</action>",      # all as demonstrated
+        "<think>\nI need a book.\n</think>\n\n<action>go to fridge 1</action>",         # right action, wrong thinking
+        "<think>\nI need a pen.\n</think>\n\n<action>take pen 3</action>",              # a wrong action
+    ]
+    scores = score_free_answers(samples, answers, tokenizer, goal_objects=goals)
+    assert scores["turns"] == 3 and scores["action_exact"] == pytest.approx(2 / 3) and scores["no_action"] == 0
+    assert scores["action_exact_by_verb"] == {"go": {"exact": 2, "turns": 2}, "take": {"exact": 0, "turns": 1}}
+    # the third demonstration has no thinking: two thinking turns, the first exact; the goal named in 1 of 2
+    assert scores["thinking_turns"] == 2 and scores["thinking_exact"] == 0.5
+    assert scores["goal_turns"] == 2 and scores["thinking_names_goal"] == 0.5
+    unparsable = score_free_answers(samples, ["<think>\nI need a mug.", "go to fridge 1", ""], tokenizer)
+    assert unparsable["no_action"] == 1.0 and unparsable["action_exact"] == 0.0 and "goal_turns" not in unparsable
+    with pytest.raises(ValueError, match="2 answers for 3 samples"):
+        score_free_answers(samples, answers[:2], tokenizer)
+
+
+def test_free_running_answers_are_the_dense_greedy_decode(setup):
+    from jaxopd.rollout.thinking import ThinkingBudget
+    from jaxopd.sampler import Engine, EngineConfig
+
+    tokenizer, model, samples = setup
+    budget = ThinkingBudget(first_stage_tokens=6, total_tokens=6)
+    config = EngineConfig(max_slots=2, page_size=16, num_pages=2 * 4 + 1, max_seq_len=64, prefill_chunk=64,
+                          max_prefill_tokens=128, max_prefill_rows=2)
+    with Engine(model, config, tokenizer=tokenizer) as engine:
+        scores, answers = free_running_fit(engine, samples, tokenizer, budget=budget, goal_objects=["mug", None, "x"])
+    assert scores["turns"] == 3 and scores["action_exact"] == 0.0 and scores["no_action"] == 1.0
+    for sample, answer in zip(samples, answers):
+        ids = list(sample.tokens[:np.flatnonzero(sample.loss_mask)[0]])
+        for _ in range(budget.first_stage_tokens):            # greedy by dense recompute of the whole sequence
+            ids.append(int(np.asarray(model(np.array([ids])))[0, -1].argmax()))
+        greedy = tokenizer.decode(ids[-budget.first_stage_tokens:])
+        assert answer.startswith(greedy), (answer, greedy)   # then the budget's early-stop text, when it fits

@@ -86,7 +86,7 @@ def test_write_evaluation_writes_every_output(tmp_path):
     data = json.loads((tmp_path / "evaluation.json").read_text())
     assert data["summaries"][0]["overall"]["success_rate"]["mean"] == 0.5 and len(data["episodes"]) == 6
     lines = (tmp_path / "episodes.csv").read_text().splitlines()
-    assert lines[0] == "task_id,task_type,seed,won,score,rounds,end_reason,split" and len(lines) == 7
+    assert lines[0] == "task_id,task_type,seed,won,score,rounds,end_reason,split,instruction" and len(lines) == 7
     assert "none really" in (tmp_path / "evaluation.md").read_text()
 
 
@@ -107,7 +107,7 @@ def test_episode_record_from_trajectory():
     assert EpisodeRecord.from_trajectory(trajectory, 43) == EpisodeRecord(
         task_id="scienceworld/eval/boil-5", task_type="boil", seed=43, won=False, score=35.0, rounds=2,
         end_reason="max_turns", split="eval", actions=("look around", ""),
-        feedback=("A kitchen.", "No known action matches that input."), answers=("", ""))
+        feedback=("A kitchen.", "No known action matches that input."), answers=("", ""), instruction="Boil water.")
     won = trajectory.replace(turns=turns[:1] + (turns[1].replace(next_observation=obs("Boiled.", 2, 100.0, True)),),
                              end_reason="done")
     record = EpisodeRecord.from_trajectory(won, 44)
@@ -163,7 +163,9 @@ def test_evaluate_policy_end_to_end_with_a_scripted_engine(tok, alfworld):
     config = RolloutConfig(max_turns=10, max_prompt_tokens=4096, thinking_budget=BUDGET, temperature=0.7)
     summary, records = evaluate_policy(engine, pool, tok, [task], seeds=(42, 43), rollout_config=config,
                                        greedy=True, progress=False)
-    common = dict(task_id=task.task_id, task_type=task.task_type, split="valid_unseen")
+    assert records[0].instruction.startswith("Your task is to: ") and records[1].instruction == records[0].instruction
+    common = dict(task_id=task.task_id, task_type=task.task_type, split="valid_unseen",
+                  instruction=records[0].instruction)
     won_feedback, won_answers = records[0].feedback, records[0].answers
     assert len(won_feedback) == len(walkthrough) and all(won_feedback)
     assert won_answers == tuple(full_text(action) for action in walkthrough)

@@ -560,6 +560,38 @@ def test_plan_here_thinking_by_hand():
     assert thinking_text(_inputs(cool, cooled, ""), "plan") == "I hold mug 2, now cool. It goes in cabinet."
 
 
+def test_task_plan_here_thinking_by_hand():
+    """Task-plan-here thinking: the instruction word for word, the plan-here words, and the tool's command only where
+    the agent holds the unchanged object at the tool."""
+    pytest.importorskip("alfworld")
+    from envs.alfworld_state import Goal, TaskState, goal_of_task_id
+    from jaxopd.methods.sft_data import task_plan_here_text, thinking_text
+
+    cool = "Your task is to: cool some mug and put it in cabinet."
+    start = _inputs(cool, [], "You are in the middle of a room.")
+    assert thinking_text(start, "task-plan-here") == cool + " I need a mug."
+    held = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2."),
+            ("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1.")]
+    assert thinking_text(_inputs(cool, held, ""), "task-plan-here") == (
+        cool + " I hold mug 2. I must cool it with a fridge. I am at countertop 1.")
+    fridge = held + [("go to fridge 1", "You arrive at fridge 1. The fridge 1 is closed.")]
+    assert thinking_text(_inputs(cool, fridge, ""), "task-plan-here") == (
+        cool + " I hold mug 2. I must cool it with a fridge. I am at fridge 1. It is closed. I can cool it here.")
+    cooled = fridge + [("cool mug 2 with fridge 1", "You cool the mug 2 using the fridge 1.")]
+    assert thinking_text(_inputs(cool, cooled, ""), "task-plan-here") == (
+        cool + " I hold mug 2, now cool. It goes in cabinet. I am at fridge 1. It is closed.")
+    # a task that changes nothing never says a tool's command; the restated text keeps the prompt's spelling
+    put = "  Your task is to: put some mug on desk. "
+    at_desk = [("go to desk 1", "You arrive at desk 1. On the desk 1, you see a mug 1."),
+               ("take mug 1 from desk 1", "You pick up the mug 1 from the desk 1.")]
+    assert thinking_text(_inputs(put, at_desk, ""), "task-plan-here") == (
+        "Your task is to: put some mug on desk. I hold mug 1. It goes in desk. I am at desk 1.")
+    with pytest.raises(ValueError, match="restates the instruction"):
+        task_plan_here_text(TaskState(goal_of_task_id("a/pick_cool_then_place_in_recep-Mug-None-Cabinet-1/t"),
+                                      None, False, 0, ()))
+    assert Goal("pick_and_place_simple", "mug", "desk", instruction="x") == Goal("pick_and_place_simple", "mug", "desk")
+
+
 def test_walkthrough_samples_with_state_thinking(alfworld, tok):
     from jaxopd.methods.sft_data import state_thinking
     _, _, reference = alfworld

@@ -119,3 +119,18 @@ def test_episode_report_cli(tmp_path, capsys):
     assert "no evaluation file" in capsys.readouterr().err
     assert main(["--eval", f"one={second}", "--eval", f"one={second}", "--out", str(out)]) == 2
     assert "labels must differ" in capsys.readouterr().err
+
+
+def test_task_plan_here_fidelity_reads_the_record_instruction():
+    from jaxopd.methods.transcripts import transcript_counts
+    instruction = "Your task is to: cool some mug and put it in cabinet."
+    episode = _cool_episode()
+    said = [f"{instruction} I need a mug.", f"{instruction} I need a mug.",
+            f"{instruction} I need a mug. I see mug 2 here. I am at countertop 1.",
+            "I hold mug 2.", f"{instruction} I hold mug 2, now cool. It goes in cabinet. I am at countertop 1."]
+    episode["answers"] = [_answer(t, a) for t, a in zip(said, episode["actions"])]
+    with pytest.raises(ValueError, match="restates the instruction"):      # an old record: no instruction
+        transcript_counts([episode], thinking="task-plan-here")
+    counts = transcript_counts([{**episode, "instruction": instruction}], thinking="task-plan-here")
+    # round 4 (held at the countertop, no tool there) should have restated the task: 4 of 5 faithful
+    assert counts["thinking_faithful"] == pytest.approx(4 / 5) and counts["thinking_names_goal"] == 1.0

@@ -15,6 +15,13 @@ distribution given the demonstration's own prefix. From it:
   answer format and the frequent objects does not.
 
 A few seconds per dozen turns on CPU, against minutes for playing episodes.
+
+Owns ``free_running_fit`` too: the same demonstration states, but the model writes its whole answer itself (greedy,
+through the paged engine under the rollouts' thinking budget), as in play. Teacher forcing hands the model the
+demonstration's thinking; free-running, its own first copy can go wrong and the action follows it, which is how a
+teacher can fit the demonstrations and still win nothing (results/train, stop 25). ``score_free_answers`` scores
+answers against the demonstrations: the action exact (by the demonstrated verb), the thinking exact, whether the
+thinking names the goal object, and answers without a parsable action.
 """
 from __future__ import annotations
 
@@ -28,10 +35,14 @@ import numpy as np
 from flax import nnx
 
 from jaxopd.methods.divergence import supervised_log_softmax
+from jaxopd.methods.transcripts import thinking_of
+from jaxopd.rollout.actions import extract_action
 from jaxopd.rollout.tags import ACTION_END, ACTION_START
+from jaxopd.rollout.thinking import ThinkingBudget, submit_budgeted
+from jaxopd.sampler.types import SamplingParams
 from jaxopd.train.buffer import Sample, collate_samples
 
-__all__ = ["demonstration_fit", "token_spans"]
+__all__ = ["demonstration_fit", "token_spans", "free_running_fit", "score_free_answers"]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "width"))
@@ -113,3 +124,78 @@ def demonstration_fit(model: Any, samples: Sequence[Sample], tokenizer: Any, *,
         result.update(goal_mentions=mentions, goal_object_prob=goal_prob / mentions if mentions else None,
                       goal_object_exact=goal_hits / mentions if mentions else None)
     return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Free-running: the model writes the whole answer
+# ----------------------------------------------------------------------------------------------------------
+def _prompt_and_demonstration(sample: Sample, tokenizer: Any) -> tuple[list[int], str]:
+    supervised = np.flatnonzero(sample.loss_mask)
+    if not len(supervised):
+        raise ValueError("a demonstration sample needs supervised (response) tokens")
+    first = int(supervised[0])
+    return [int(i) for i in sample.tokens[:first]], tokenizer.decode([int(i) for i in sample.tokens[first:]])
+
+
+def _names(text: str | None, goal: str | None) -> bool:
+    return bool(text and goal and re.search(rf"\b{re.escape(goal)}\b", text))
+
+
+def score_free_answers(samples: Sequence[Sample], answers: Sequence[str], tokenizer: Any, *,
+                       goal_objects: Sequence[str | None] | None = None) -> dict[str, Any]:
+    """Scores of free-running ``answers[i]`` (response text) against the demonstration of ``samples[i]``.
+
+    Returns ``turns``; ``action_exact`` (the answer's ``<action>`` equals the demonstrated one) and
+    ``action_exact_by_verb`` (per first word of the demonstrated action: exact turns of turns); ``no_action`` (no
+    parsable action); ``thinking_exact`` (the answer's thinking block equals the demonstration's, over the turns
+    whose demonstration thinks); and with goal objects ``thinking_names_goal``: the share of answers whose thinking
+    names the goal-object class (over the turns whose demonstrated thinking names it).
+    """
+    if len(answers) != len(samples):
+        raise ValueError(f"{len(answers)} answers for {len(samples)} samples")
+    if goal_objects is not None and len(goal_objects) != len(samples):
+        raise ValueError(f"{len(goal_objects)} goal objects for {len(samples)} samples")
+    if not samples:
+        raise ValueError("score_free_answers needs at least one sample")
+    exact = no_action = thinking_turns = thinking_exact = goal_turns = goal_named = 0
+    by_verb: dict[str, list[int]] = {}
+    for index, (sample, answer) in enumerate(zip(samples, answers)):
+        _, demonstration = _prompt_and_demonstration(sample, tokenizer)
+        wanted, got = extract_action(demonstration), extract_action(answer)
+        if wanted is None:
+            raise ValueError(f"demonstration {index} has no <action>: {demonstration!r}")
+        hit = int(got == wanted)
+        exact += hit
+        no_action += got is None
+        counts = by_verb.setdefault(wanted.split()[0], [0, 0])
+        counts[0] += hit
+        counts[1] += 1
+        wanted_thinking, got_thinking = thinking_of(demonstration), thinking_of(answer)
+        if wanted_thinking:
+            thinking_turns += 1
+            thinking_exact += got_thinking == wanted_thinking
+        goal = None if goal_objects is None else goal_objects[index]
+        if _names(wanted_thinking, goal):
+            goal_turns += 1
+            goal_named += _names(got_thinking, goal)
+    turns = len(samples)
+    result: dict[str, Any] = {
+        "turns": turns, "action_exact": exact / turns, "no_action": no_action / turns,
+        "action_exact_by_verb": {verb: {"exact": hits, "turns": n} for verb, (hits, n) in sorted(by_verb.items())},
+        "thinking_turns": thinking_turns,
+        "thinking_exact": thinking_exact / thinking_turns if thinking_turns else None}
+    if goal_objects is not None:
+        result.update(goal_turns=goal_turns, thinking_names_goal=goal_named / goal_turns if goal_turns else None)
+    return result
+
+
+def free_running_fit(engine: Any, samples: Sequence[Sample], tokenizer: Any, *, budget: ThinkingBudget,
+                     goal_objects: Sequence[str | None] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Greedy answers of ``engine`` (a started ``jaxopd.sampler.Engine``) to the prompts of ``samples`` under the
+    thinking ``budget`` (``jaxopd.rollout.thinking.submit_budgeted``, the rollouts' full-response path), scored by
+    :func:`score_free_answers`. Returns the scores and the answers' texts."""
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    futures = [submit_budgeted(engine, tokenizer, _prompt_and_demonstration(sample, tokenizer)[0], params, budget)
+               for sample in samples]
+    answers = [future.result().text for future in futures]
+    return score_free_answers(samples, answers, tokenizer, goal_objects=goal_objects), answers

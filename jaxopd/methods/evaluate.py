@@ -76,7 +76,7 @@ class EpisodeRecord:
     raised (then ``won`` is False and ``score`` the last one the environment reported). ``split``: the task's.
     ``actions`` / ``feedback`` / ``answers``: the executed action of each round, the environment's answer to it
     and the model's response text that chose it, thinking included (the transcript a reader checks the agent by;
-    in ``evaluation.json``, not in the CSV)."""
+    in ``evaluation.json``, not in the CSV). ``instruction``: the task instruction the agent was given (in both)."""
 
     task_id: str
     task_type: str
@@ -89,6 +89,7 @@ class EpisodeRecord:
     actions: tuple[str, ...] = ()
     feedback: tuple[str, ...] = ()
     answers: tuple[str, ...] = ()
+    instruction: str = ""
 
     @classmethod
     def from_trajectory(cls, trajectory: Trajectory, seed: int) -> "EpisodeRecord":
@@ -97,7 +98,8 @@ class EpisodeRecord:
                    end_reason=str(trajectory.end_reason), split=trajectory.task.split,
                    actions=tuple(turn.action for turn in trajectory.turns),
                    feedback=tuple(turn.next_observation.text for turn in trajectory.turns),
-                   answers=tuple(_choosing_text(turn) for turn in trajectory.turns))
+                   answers=tuple(_choosing_text(turn) for turn in trajectory.turns),
+                   instruction=trajectory.turns[0].observation.instruction if trajectory.turns else "")
 
     @property
     def failed_with_error(self) -> bool:
@@ -201,13 +203,14 @@ def _choosing_text(turn: Turn) -> str:
 
 def _error_record(task: Task, seed: int, error: BaseException, episode: Episode | None) -> EpisodeRecord:
     message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-    rounds, score, actions, feedback = 0, 0.0, (), ()
+    rounds, score, actions, feedback, instruction = 0, 0.0, (), (), ""
     if episode is not None and episode.task.task_id == task.task_id:
         rounds, score = len(episode.steps), float(episode.observation.score)
         actions, feedback = executed_actions_and_answers(episode.history, episode.observation.text)
+        instruction = episode.observation.instruction
     return EpisodeRecord(task_id=task.task_id, task_type=task.task_type, seed=int(seed), won=False, score=score,
                          rounds=rounds, end_reason=f"{ERROR_PREFIX}{message}", split=task.split, actions=actions,
-                         feedback=feedback)
+                         feedback=feedback, instruction=instruction)
 
 
 def evaluate_policy(engine: Any, source_or_pool: Any, tokenizer: Any, tasks: Sequence[Task], *,

@@ -32,7 +32,8 @@ from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, executed_acti
 from jaxopd.rollout.tags import ACTION_END, ACTION_START, THINK_END, THINK_START
 from jaxopd.train.buffer import Sample
 
-__all__ = ["SFT_MODE", "response_text", "state_thinking", "state_text", "plan_text", "plan_here_text", "THINKING_RULES",
+__all__ = ["SFT_MODE", "response_text", "state_thinking", "state_text", "plan_text", "plan_here_text",
+           "task_plan_here_text", "THINKING_RULES",
            "thinking_text", "WalkthroughTurn",
            "walkthrough_turns", "WalkthroughStats", "walkthrough_samples", "SFTDataset"]
 
@@ -149,7 +150,32 @@ def _state_of(inputs: PromptInputs, kind: str) -> TaskState:
     return task_state(goal, actions, answers, inputs.observation)
 
 
-THINKING_RULES = {"state": state_text, "plan": plan_text, "plan-here": plan_here_text}
+def task_plan_here_text(state: TaskState) -> str:
+    """The instruction word for word, then :func:`plan_here_text`, then the tool's command when the agent holds the
+    unchanged object at a receptacle of the tool's class (``--sft-thinking task-plan-here``):
+    ``"Your task is to: cool some apple and put it in garbagecan. I hold apple 1. I must cool it with a fridge. I am at
+    fridge 1. It is closed. I can cool it here."``
+
+    Why each part. Free-running, an SFT'd tiny preset's thinking named an object of the current observation, or
+    copied the prompt's own instructions, instead of the goal: its copy head takes the nearest matching context.
+    The instruction, restated first, is a copy with a unique anchor (``Your task is to:`` occurs once in the
+    prompt), and it puts the goal's words nearest to every later copy of them. The last sentence separates the two
+    commands a closed tool receptacle allows: ``open fridge 1`` (what "It is closed." asks everywhere else) and ``cool
+    apple 1 with fridge 1`` (what the expert does; the engine cools through a closed door). ``ValueError`` for a goal
+    without its instruction (one read from a task id)."""
+    goal = state.goal
+    if not goal.instruction:
+        raise ValueError("task-plan-here thinking restates the instruction, and this goal has none "
+                         "(read it with envs.alfworld_state.parse_goal, not goal_of_task_id)")
+    text = f"{goal.instruction} {plan_here_text(state)}"
+    if (state.held is not None and goal.tool is not None and not state.changed and state.location is not None
+            and state.location.split()[0] == goal.tool[1]):
+        text += f" I can {goal.tool[0]} it here."
+    return text
+
+
+THINKING_RULES = {"state": state_text, "plan": plan_text, "plan-here": plan_here_text,
+                  "task-plan-here": task_plan_here_text}
 """The words of each ``SFT_THINKING`` value but ``none`` for a ``TaskState``: the one table SFT writes from and
 ``jaxopd.methods.transcripts`` compares an agent's thinking with."""
 

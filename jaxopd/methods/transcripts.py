@@ -7,13 +7,14 @@ that won), the share of moves the engine refused (``Nothing happens.``) and of a
 and the *thinking fidelity*: the share of rounds whose thinking is exactly what the SFT demonstrations would have
 thought in that state (``jaxopd.methods.sft_data.THINKING_RULES`` for the state the agent's own
 history shows), and the share that names the goal object. Everything is read from text the agent was shown; the
-goal comes from the task id (``envs.alfworld_state.goal_of_task_id``), as the records keep no instruction.
+goal comes from the record's instruction, or from the task id (``envs.alfworld_state.goal_of_task_id``) in records
+written before they kept it (``task-plan-here`` fidelity needs the instruction).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from envs.alfworld_state import goal_of_task_id, task_state
+from envs.alfworld_state import Goal, goal_of_task_id, parse_goal, task_state
 from jaxopd.methods.sft_data import THINKING_RULES
 from jaxopd.rollout.tags import THINK_END, THINK_START
 
@@ -34,8 +35,14 @@ def thinking_of(answer: str) -> str | None:
     return answer[start + len(THINK_START):end].strip()
 
 
+def _goal(episode: Mapping[str, Any]) -> Goal:
+    """The episode's goal from its instruction (records since stop 26 keep it), else from its task id."""
+    goal = parse_goal(episode["instruction"]) if episode.get("instruction") else None
+    return goal or goal_of_task_id(episode["task_id"])
+
+
 def _states(episode: Mapping[str, Any]):
-    goal = goal_of_task_id(episode["task_id"])
+    goal = _goal(episode)
     actions, feedback = list(episode["actions"]), list(episode["feedback"])
     if len(actions) != len(feedback):
         raise ValueError(f"episode {episode['task_id']}: {len(actions)} actions but {len(feedback)} answers")
