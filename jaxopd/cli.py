@@ -86,7 +86,13 @@ def run_main(body: Callable[[], Any]) -> int:
         def main(argv=None) -> int:
             args = build_parser().parse_args(argv)
             return cli.run_main(lambda: run(args))
+
+    First it keeps the host allocator's freed memory (``jaxopd.host_malloc.tune_malloc``: XLA on CPU otherwise
+    faults each step's working set in again).
     """
+    from jaxopd.host_malloc import tune_malloc
+
+    tune_malloc()
     try:
         code = body()
     except UsageError as error:
