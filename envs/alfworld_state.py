@@ -18,13 +18,15 @@ from typing import Sequence
 
 from envs.alfworld_engine import TASK_TYPES
 
-__all__ = ["ALFWORLD_GOAL_TYPES", "CHANGE_TOOLS", "Goal", "parse_goal", "goal_of_task_id", "TaskState", "task_state",
+__all__ = ["ALFWORLD_GOAL_TYPES", "CHANGE_TOOLS", "INSTRUCTION_PREFIX", "Goal", "parse_goal",
+           "without_restated_instruction", "goal_of_task_id", "TaskState", "task_state",
            "objects_in_view"]
 
 ALFWORLD_GOAL_TYPES = TASK_TYPES
 """The six task types of ALFWorld's games (``alfworld.gen.goal_library`` keys; owned by ``envs.alfworld_engine``)."""
 
-_INSTRUCTION_PREFIX = "your task is to:"
+INSTRUCTION_PREFIX = "your task is to:"
+"""How ALFWorld instructions begin (lower-cased)."""
 # The engine's answers that change what the agent holds or the held object's state (alfworld 0.4's wording).
 _TAKEN = re.compile(r"^you pick up the (?P<name>[a-z]+ \d+) from the ")
 _PUT = re.compile(r"^you (?:move|put) the (?P<name>[a-z]+ \d+) (?:to|in|on) the (?P<recep>[a-z]+) \d+")
@@ -84,14 +86,24 @@ def _goal_patterns() -> tuple[tuple[str, re.Pattern], ...]:
     return tuple(patterns)
 
 
+def without_restated_instruction(text: str) -> str:
+    """``text`` less a leading instruction sentence (``"Your task is to: … ."``, as ``task-plan-here`` thinking
+    restates it): what the thinking says beyond the copy of the instruction."""
+    stripped = text.lstrip()
+    if not stripped.lower().startswith(INSTRUCTION_PREFIX):
+        return text
+    end = stripped.find(".", len(INSTRUCTION_PREFIX))
+    return "" if end < 0 else stripped[end + 1:].lstrip()
+
+
 def parse_goal(instruction: str) -> Goal | None:
     """The goal of an ALFWorld instruction (``"Your task is to: heat some egg and put it in fridge."``), or None when
     it matches none of the six task types' templates."""
     if not isinstance(instruction, str):
         raise ValueError(f"instruction must be a str, got {type(instruction).__name__}")
     text = " ".join(instruction.lower().split())
-    if text.startswith(_INSTRUCTION_PREFIX):
-        text = text[len(_INSTRUCTION_PREFIX):].strip()
+    if text.startswith(INSTRUCTION_PREFIX):
+        text = text[len(INSTRUCTION_PREFIX):].strip()
     for task_type, pattern in _goal_patterns():
         match = pattern.match(text)
         if match:

@@ -134,3 +134,15 @@ def test_task_plan_here_fidelity_reads_the_record_instruction():
     counts = transcript_counts([{**episode, "instruction": instruction}], thinking="task-plan-here")
     # round 4 (held at the countertop, no tool there) should have restated the task: 4 of 5 faithful
     assert counts["thinking_faithful"] == pytest.approx(4 / 5) and counts["thinking_names_goal"] == 1.0
+
+
+def test_a_restated_instruction_does_not_name_the_goal():
+    from envs.alfworld_state import without_restated_instruction
+    from jaxopd.methods.transcripts import transcript_counts
+    instruction = "Your task is to: cool some mug and put it in cabinet."
+    assert without_restated_instruction(f"{instruction} I need a bread.") == "I need a bread."
+    assert without_restated_instruction("I need a mug.") == "I need a mug."
+    assert without_restated_instruction("Your task is to: cool some mug") == ""
+    episode = {**_cool_episode(), "instruction": instruction}
+    episode["answers"] = [_answer(f"{instruction} I need a bread.", a) for a in episode["actions"]]
+    assert transcript_counts([episode], thinking="task-plan-here")["thinking_names_goal"] == 0.0

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from envs.alfworld_state import without_restated_instruction
 from jaxopd.methods.divergence import supervised_log_softmax
 from jaxopd.methods.transcripts import thinking_of
 from jaxopd.rollout.actions import extract_action
@@ -138,7 +139,8 @@ def _prompt_and_demonstration(sample: Sample, tokenizer: Any) -> tuple[list[int]
 
 
 def _names(text: str | None, goal: str | None) -> bool:
-    return bool(text and goal and re.search(rf"\b{re.escape(goal)}\b", text))
+    """Whether ``text`` names ``goal`` beyond a restated instruction (which names it by copying)."""
+    return bool(text and goal and re.search(rf"\b{re.escape(goal)}\b", without_restated_instruction(text)))
 
 
 def score_free_answers(samples: Sequence[Sample], answers: Sequence[str], tokenizer: Any, *,
@@ -149,7 +151,8 @@ def score_free_answers(samples: Sequence[Sample], answers: Sequence[str], tokeni
     ``action_exact_by_verb`` (per first word of the demonstrated action: exact turns of turns); ``no_action`` (no
     parsable action); ``thinking_exact`` (the answer's thinking block equals the demonstration's, over the turns
     whose demonstration thinks); and with goal objects ``thinking_names_goal``: the share of answers whose thinking
-    names the goal-object class (over the turns whose demonstrated thinking names it).
+    names the goal-object class (over the turns whose demonstrated thinking names it), a restated instruction not
+    counted (``envs.alfworld_state.without_restated_instruction``).
     """
     if len(answers) != len(samples):
         raise ValueError(f"{len(answers)} answers for {len(samples)} samples")

@@ -6,15 +6,16 @@ held a goal object, that cleaned / heated / cooled it where the task asks, that 
 that won), the share of moves the engine refused (``Nothing happens.``) and of actions repeating the previous one,
 and the *thinking fidelity*: the share of rounds whose thinking is exactly what the SFT demonstrations would have
 thought in that state (``jaxopd.methods.sft_data.THINKING_RULES`` for the state the agent's own
-history shows), and the share that names the goal object. Everything is read from text the agent was shown; the
-goal comes from the record's instruction, or from the task id (``envs.alfworld_state.goal_of_task_id``) in records
-written before they kept it (``task-plan-here`` fidelity needs the instruction).
+history shows), and the share that names the goal object (beyond a restated instruction). Everything is read
+from text the agent was shown; the goal comes from the record's instruction, or from the task id
+(``envs.alfworld_state.goal_of_task_id``) in records written before they kept it (``task-plan-here`` fidelity needs
+the instruction).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from envs.alfworld_state import Goal, goal_of_task_id, parse_goal, task_state
+from envs.alfworld_state import Goal, goal_of_task_id, parse_goal, task_state, without_restated_instruction
 from jaxopd.methods.sft_data import THINKING_RULES
 from jaxopd.rollout.tags import THINK_END, THINK_START
 
@@ -90,7 +91,7 @@ def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = 
                 no_thinking += 1
                 continue
             faithful += thought == rule(states[t])
-            names_goal += goal.obj in thought
+            names_goal += goal.obj in without_restated_instruction(thought)
         for stage, reached in episode_progress(episode).items():
             if reached is not None:
                 stages[stage][0] += reached
