@@ -52,3 +52,30 @@ def test_tuning_is_applied_once_and_can_be_turned_off(monkeypatch):
     assert host_malloc.tune_malloc() is False
     monkeypatch.setenv(host_malloc.MALLOC_TUNING_ENV, "1")
     assert host_malloc.tune_malloc() is False          # decided once per process
+
+
+GUARD_PROBE = r"""
+import ctypes, json, time
+from jaxopd.host_malloc import resident_bytes, trim_count, tune_malloc
+assert tune_malloc(rss_limit=400 * 2 ** 20, interval=0.05)
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+base = resident_bytes()
+small = libc.malloc(128 * 2 ** 20); ctypes.memset(small, 1, 128 * 2 ** 20); libc.free(small)
+time.sleep(0.5)
+kept, trims_small = resident_bytes() - base, trim_count()      # under the limit: kept, no trim
+big = libc.malloc(640 * 2 ** 20); ctypes.memset(big, 1, 640 * 2 ** 20); libc.free(big)
+time.sleep(0.5)
+print(json.dumps({"kept": kept, "trims_small": trims_small, "after": resident_bytes() - base, "trims": trim_count()}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc: Linux only")
+def test_the_guard_hands_memory_back_past_the_limit():
+    done = subprocess.run([sys.executable, "-c", GUARD_PROBE], env={**os.environ, "JAXOPD_MALLOC_TUNING": "1"},
+                          capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    mib = 2 ** 20
+    assert result["kept"] > 100 * mib and result["trims_small"] == 0, result     # the tuning keeps freed memory
+    assert result["trims"] >= 1 and result["after"] < 100 * mib, result          # the guard gave 640 MiB back
