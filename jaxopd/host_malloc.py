@@ -15,11 +15,12 @@ minor page faults and more kernel than user CPU time (``bench/host_malloc.py``).
 After the first step the heap holds the step's peak and a step faults no page. The cost is memory: freed blocks
 stay resident, and with one arena that never trims, steps of changing shapes fragment the heap (an SFT run grew from
 13.4 to 17.6 GiB resident over 60 steps and was killed for memory when a second job shared the machine). So a guard
-thread bounds it: when the resident set passes ``rss_limit`` (``JAXOPD_MALLOC_RSS_LIMIT_GB``, default 50 % of the
-machine's memory) it calls ``malloc_trim(0)``, which hands every free page back; the next step faults them in again,
-as without the tuning, and nothing else changes. Only glibc is tuned (elsewhere nothing happens);
-``JAXOPD_MALLOC_TUNING=0`` turns it off. The settings hold for allocations made after the call, so commands call it
-before jax starts its CPU client.
+thread bounds it: when the machine runs short (``MemAvailable`` below ``LOW_MEMORY_SHARE`` of its memory) or the
+resident set passes ``rss_limit`` (``JAXOPD_MALLOC_RSS_LIMIT_GB``; none by default) it calls ``malloc_trim(0)``,
+which hands every free page back; the next step faults them in again, as without the tuning, and nothing else
+changes. Every tuned process on a machine guards itself, so two of them give memory back before either is killed.
+Only glibc is tuned (elsewhere nothing happens); ``JAXOPD_MALLOC_TUNING=0`` turns it off. The settings hold for
+allocations made after the call, so commands call it before jax starts its CPU client.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ __all__ = ["MALLOC_TUNING_ENV", "RSS_LIMIT_ENV", "MALLOC_SETTINGS", "tune_malloc
 
 MALLOC_TUNING_ENV = "JAXOPD_MALLOC_TUNING"
 RSS_LIMIT_ENV = "JAXOPD_MALLOC_RSS_LIMIT_GB"
-GUARD_INTERVAL_S = 1.0
+GUARD_INTERVAL_S = 0.5
+LOW_MEMORY_SHARE = 0.15     # the guard trims when less than this share of the machine's memory is available
 # mallopt parameters of glibc's <malloc.h>, with the values tune_malloc sets
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX, M_ARENA_MAX = -1, -2, -4, -8
 MALLOC_SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1), (M_TOP_PAD, 256 * 2 ** 20))
@@ -58,30 +60,52 @@ def trim_count() -> int:
     return _trims
 
 
-def _default_rss_limit() -> int:
+def _meminfo(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _env_rss_limit() -> int | None:
     value = os.environ.get(RSS_LIMIT_ENV, "").strip()
-    if value:
+    if not value:
+        return None
+    try:
         limit = float(value)
-        if limit <= 0:
-            raise ValueError(f"{RSS_LIMIT_ENV} must be a positive number of GiB, got {value!r}")
-        return int(limit * 2 ** 30)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except ValueError:
+        limit = -1.0
+    if limit <= 0:
+        raise ValueError(f"{RSS_LIMIT_ENV} must be a positive number of GiB, got {value!r}")
+    return int(limit * 2 ** 30)
 
 
-def _guard(trim, limit: int, interval: float) -> None:
+def _short_of_memory(rss_limit: int | None) -> bool:
+    available, total = _meminfo("MemAvailable"), _meminfo("MemTotal")
+    if available is not None and total and available < LOW_MEMORY_SHARE * total:
+        return True
+    return rss_limit is not None and resident_bytes() > rss_limit
+
+
+def _guard(trim, rss_limit: int | None, interval: float) -> None:
     global _trims
     event = threading.Event()
     while not event.wait(interval):
-        if resident_bytes() > limit:
+        if _short_of_memory(rss_limit):
             trim(0)
             _trims += 1
 
 
 def tune_malloc(*, rss_limit: int | None = None, interval: float = GUARD_INTERVAL_S) -> bool:
     """Apply ``MALLOC_SETTINGS`` once per process and start the guard (a daemon thread: ``malloc_trim(0)`` whenever
-    the resident set passes ``rss_limit`` bytes; default ``JAXOPD_MALLOC_RSS_LIMIT_GB``, else half the machine's
-    memory). True when glibc took them all, False when it is not glibc, when ``JAXOPD_MALLOC_TUNING=0`` or when
-    ``mallopt`` refused one (it then leaves the rest as they were, and starts no guard)."""
+    the machine's available memory falls below ``LOW_MEMORY_SHARE`` or the resident set passes ``rss_limit`` bytes;
+    default ``JAXOPD_MALLOC_RSS_LIMIT_GB``, else no limit). True when glibc took them all, False when it is not
+    glibc, when ``JAXOPD_MALLOC_TUNING=0`` or when ``mallopt`` refused one (it then leaves the rest as they were, and
+    starts no guard)."""
     global _applied
     if _applied is not None:
         return _applied
@@ -96,8 +120,8 @@ def tune_malloc(*, rss_limit: int | None = None, interval: float = GUARD_INTERVA
         return False
     version.restype = ctypes.c_char_p
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    limit = _default_rss_limit() if rss_limit is None else int(rss_limit)
-    if limit <= 0:
+    limit = _env_rss_limit() if rss_limit is None else int(rss_limit)
+    if limit is not None and limit <= 0:
         raise ValueError(f"rss_limit must be positive, got {rss_limit}")
     libc.malloc_trim.argtypes, libc.malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
     _applied = all(mallopt(parameter, value) == 1 for parameter, value in MALLOC_SETTINGS)
