@@ -119,19 +119,13 @@ def run(args, argv) -> int:
 
 
 def _free_running(model, samples, tokenizer, goals, args):
-    import math
-
+    from experiments.evaluate import sized_engine_config
     from jaxopd.methods.demo_fit import free_running_fit
     from jaxopd.rollout.thinking import ThinkingBudget
-    from jaxopd.sampler import Engine, EngineConfig
+    from jaxopd.sampler import Engine
 
     first, total = args.think_tokens
-    page = 16
-    max_seq_len = math.ceil((max(len(s.tokens) for s in samples) + total + 1) / page) * page
-    slots = 8
-    config = EngineConfig(max_slots=slots, page_size=page, num_pages=slots * (max_seq_len // page) + 1,
-                          max_seq_len=max_seq_len, prefill_chunk=min(1024, max_seq_len),
-                          max_prefill_tokens=max(min(1024, max_seq_len), 4096), max_prefill_rows=4)
+    config = sized_engine_config(8, max(len(s.tokens) for s in samples), total)
     with Engine(model, config, tokenizer=tokenizer) as engine:
         return free_running_fit(engine, samples, tokenizer, goal_objects=goals,
                                 budget=ThinkingBudget(first_stage_tokens=first, total_tokens=total))

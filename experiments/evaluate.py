@@ -173,14 +173,21 @@ def engine_config_for(options: EvalOptions):
     """Engine limits from the prompt and response limits (the arithmetic of ``actfirst_alfworld.engine_config_for``):
     a sequence is at most ``max_prompt_tokens + total_tokens`` (+1) tokens, rounded up to whole pages, and by default
     every slot can hold one at once, so no request is preempted. No score requests are sent."""
+    return sized_engine_config(options.slots, options.max_prompt_tokens, options.total_tokens,
+                               num_pages=options.num_pages)
+
+
+def sized_engine_config(slots: int, max_prompt_tokens: int, total_tokens: int, *, num_pages: int | None = None):
+    """The engine of :func:`engine_config_for` from plain limits: ``slots`` sequences of at most ``max_prompt_tokens
+    + total_tokens`` (+1) tokens each, whole pages, all resident at once unless ``num_pages`` says otherwise."""
     from jaxopd.sampler import EngineConfig
 
-    longest = options.max_prompt_tokens + options.total_tokens + 1
+    longest = max_prompt_tokens + total_tokens + 1
     max_seq_len = math.ceil(longest / PAGE_SIZE) * PAGE_SIZE
     pages_per_seq = max_seq_len // PAGE_SIZE
     prefill_chunk = min(1024, max_seq_len)
-    return EngineConfig(max_slots=options.slots, page_size=PAGE_SIZE,
-                        num_pages=options.num_pages or options.slots * pages_per_seq + 1, max_seq_len=max_seq_len,
+    return EngineConfig(max_slots=slots, page_size=PAGE_SIZE,
+                        num_pages=num_pages or slots * pages_per_seq + 1, max_seq_len=max_seq_len,
                         prefill_chunk=prefill_chunk, max_prefill_tokens=max(prefill_chunk, 8192),
                         max_prefill_rows=4, scoring=False)
 
