@@ -36,7 +36,7 @@ FLAG_FIELDS = ("benchmark", "games", "student", "teacher", "student_model_preset
                "learning_rate", "loss", "max_turns", "max_prompt_tokens", "max_train_tokens", "first_stage_tokens",
                "total_tokens", "second_stage_tokens", "fast_action_tokens", "temperature", "eval_split",
                "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "sft_demonstrations",
-               "sft_context_weight", "sft_thinking", "max_supervised_tokens")
+               "sft_context_weight", "sft_thinking", "sft_renamed_copies", "lr_schedule", "max_supervised_tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-thinking", default=None, choices=SFT_THINKING,
                    help="SFT: what a demonstration thinks before its action: none (an empty thinking block, default) "
                         "or state (ALFWorld: the goal object held or needed and the one in view, read from the prompt)")
+    p.add_argument("--sft-renamed-copies", type=int, default=None, metavar="K",
+                   help="SFT (ALFWorld): add K copies of every demonstration with its object and receptacle classes "
+                        "renamed at random, consistently (envs.alfworld_names), so names must be read from the "
+                        "prompt, not guessed from the room (default 0)")
+    p.add_argument("--lr-schedule", default=None, choices=("constant", "cosine"),
+                   help="SFT: constant learning rate (default) or cosine (warm-up over 5 %% of --steps, then a half "
+                        "cosine down to a tenth at --steps)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--rollout-slots", type=int, default=None)
     p.add_argument("--rollout-mode", default=None, choices=("async", "sync"),
@@ -305,7 +312,8 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
                 return engine_eval(engine, step)
     model = train_sft(student, samples, out, steps=steps, batch_size=config.batch_size,
                       learning_rate=config.learning_rate, weight_decay=config.weight_decay,
-                      max_grad_norm=config.max_grad_norm, seed=config.seed, max_train_tokens=config.max_train_tokens,
+                      max_grad_norm=config.max_grad_norm, lr_schedule=config.lr_schedule, seed=config.seed,
+                      max_train_tokens=config.max_train_tokens,
                       max_supervised_tokens=supervised, context_lm_weight=config.sft_context_weight,
                       checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                       eval_every=config.eval_every, evaluate=evaluate, progress=progress)

@@ -82,3 +82,29 @@ def test_held_out_divergence_reads_answers_in_the_configured_thinking(source):
     assert values["state", "same"] == pytest.approx(0.0, abs=1e-6)
     assert values["none", "other"] > 0 and values["state", "other"] > 0
     assert values["none", "other"] != pytest.approx(values["state", "other"], rel=1e-6)
+
+
+def test_renamed_copies_join_the_corpus_with_their_own_names(source):
+    """``sft_renamed_copies=1``: every demonstration turn comes twice, the copy with its classes renamed at random
+    (envs.alfworld_names) in prompt and answer alike, its thinking naming the renamed goal."""
+    from envs.alfworld_state import parse_goal
+    from jaxopd.methods.sft import sft_corpus
+
+    tokenizer = Qwen3Tokenizer()
+    plain = sft_corpus(build_config("sft", preset="cpu", sft_thinking="state"), source, tokenizer, progress=False)
+    doubled = sft_corpus(build_config("sft", preset="cpu", sft_thinking="state", sft_renamed_copies=1), source,
+                         tokenizer, progress=False)
+    assert doubled.stats.samples == 2 * plain.stats.samples and doubled.stats.references == 2 * len(plain.references)
+    assert doubled.references.keys() == plain.references.keys()        # the originals only
+    originals = {tokenizer.decode(s.tokens.tolist()) for s in plain.samples}
+    renamed = [tokenizer.decode(s.tokens.tolist()) for s in doubled.samples[plain.stats.samples:]]
+    assert not originals & set(renamed)
+    for text in renamed:
+        instruction = text[text.index("Task: ") + len("Task: "):].split("\n")[0]
+        goal = parse_goal(instruction)
+        answer = text[text.rindex("<think>"):]
+        assert goal is not None and goal.obj in answer
+    with pytest.raises(ValueError, match="renamed demonstration copies"):
+        build_config("sft", preset="cpu", benchmark="scienceworld", sft_renamed_copies=1)
+    with pytest.raises(ValueError, match="learning-rate schedule"):
+        build_config("vanilla-opd", preset="cpu", lr_schedule="cosine")

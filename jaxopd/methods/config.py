@@ -13,6 +13,7 @@ import json
 from typing import Any, Mapping
 
 from jaxopd.methods.benchmarks import BENCHMARKS, EVAL_SPLITS, GAME_SOURCES
+from jaxopd.train.step import LR_SCHEDULES
 
 METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallback", "actfirst-prefix-replay-50",
            "actfirst-prefix-replay-100", "sti", "actionopd", "sft")
@@ -110,6 +111,8 @@ class RunConfig:
     sft_demonstrations: str = "walkthrough"
     sft_context_weight: float = 0.0          # > 0: a language-model term on the prompt tokens too (sft.train_sft)
     sft_thinking: str = "none"               # SFT_THINKING: SFT's answers, and distillation's held-out answers
+    sft_renamed_copies: int = 0              # copies of each demonstration, classes renamed (envs.alfworld_names)
+    lr_schedule: str = "constant"            # SFT only: "cosine" warms up over 5 % of the steps, then decays to 10 %
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -128,6 +131,14 @@ class RunConfig:
         if self.sft_thinking != "none" and self.benchmark != "alfworld":
             raise ValueError(f"{self.sft_thinking} thinking reads ALFWorld prompts; ScienceWorld SFT thinks nothing "
                              "(sft_thinking 'none')")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"unknown learning-rate schedule {self.lr_schedule!r}; expected one of {LR_SCHEDULES}")
+        if self.lr_schedule != "constant" and self.method != "sft":
+            raise ValueError(f"a {self.lr_schedule} learning-rate schedule is for SFT's fixed number of steps; the "
+                             "distillation methods keep the papers' constant rate")
+        if self.sft_renamed_copies and self.benchmark != "alfworld":
+            raise ValueError("renamed demonstration copies rename ALFWorld's classes; ScienceWorld SFT has none "
+                             "(sft_renamed_copies 0)")
         if self.sft_demonstrations == "searching-expert" and self.benchmark != "alfworld":
             raise ValueError("the searching expert plays ALFWorld only; ScienceWorld SFT uses walkthrough (gold "
                              "path) demonstrations")
@@ -144,7 +155,7 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"RunConfig.{name} must be a positive integer or None, got {value!r}")
-        for name in ("max_version_lag", "eval_every", "second_stage_tokens", "top_k"):
+        for name in ("max_version_lag", "eval_every", "second_stage_tokens", "top_k", "sft_renamed_copies"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"RunConfig.{name} must be a non-negative integer, got {value!r}")

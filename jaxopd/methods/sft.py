@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from envs.alfworld_names import random_renaming, rename_reference
 from envs.base import Task
 from envs.references import ReferenceTrajectory
 from jaxopd.methods.benchmarks import TRAIN_SPLIT, BenchmarkSource, references_for, subset
@@ -53,7 +54,8 @@ class SFTCorpus:
 def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, progress: bool = True
                ) -> SFTCorpus:
     """The demonstration turns of ``config`` (a ``RunConfig``): its seeded subset of the benchmark's training games
-    (``train_tasks``), demonstrated by ``sft_demonstrations`` (the searching expert within ``max_turns``), rendered
+    (``train_tasks``), demonstrated by ``sft_demonstrations`` (the searching expert within ``max_turns``), each
+    joined by ``sft_renamed_copies`` copies with its classes renamed at random (``envs.alfworld_names``), rendered
     with ``sft_thinking`` under ``max_prompt_tokens``. Raises ``ValueError`` when no demonstration succeeded."""
     tasks = subset(source.tasks(TRAIN_SPLIT[config.benchmark]), config.train_tasks, seed=config.seed)
     kind = SFT_DEMONSTRATIONS[config.sft_demonstrations]
@@ -64,7 +66,11 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
     if not references:
         raise ValueError(f"no {config.sft_demonstrations} demonstration of the {len(tasks)} training games "
                          f"succeeded (first reason: {next(iter(failures.values()), '?')})")
-    samples, stats = walkthrough_samples(references, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
+    demonstrations = list(references.values())
+    for copy in range(1, config.sft_renamed_copies + 1):
+        demonstrations += [rename_reference(reference, random_renaming(reference, seed=config.seed, copy=copy),
+                                            tag=f"renamed{copy}") for reference in references.values()]
+    samples, stats = walkthrough_samples(demonstrations, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
                                          benchmark=config.benchmark, thinking=config.sft_thinking)
     return SFTCorpus(samples, stats, list(tasks), references, failures)
 
@@ -83,13 +89,15 @@ def sft_steps(num_samples: int, batch_size: int, epochs: float) -> int:
 def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLike, *, steps: int, batch_size: int,
               learning_rate: float, weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0,
               max_train_tokens: int = 2048, max_supervised_tokens: int | None = 64, context_lm_weight: float = 0.0,
-              checkpoint_every: int = 50, keep_checkpoints: int = 3,
+              lr_schedule: str = "constant", checkpoint_every: int = 50, keep_checkpoints: int = 3,
               eval_every: int = 0, evaluate: Callable[[Qwen3, int], Mapping[str, Any]] | None = None,
               progress: bool = True, tensorboard: bool = True, log: Callable[[str], None] = print) -> Qwen3:
     """Trains ``model`` for ``steps`` steps of ``batch_size`` samples; returns the model with the trained weights.
 
     ``context_lm_weight`` > 0 adds the language-model term on the prompt tokens (``LossConfig.context_lm_weight``)
-    over the corpus vocabulary of ``samples`` (:func:`corpus_vocabulary`).
+    over the corpus vocabulary of ``samples`` (:func:`corpus_vocabulary`). ``lr_schedule="cosine"`` warms the rate up
+    over the first 5 % of ``steps`` and decays it to a tenth at ``steps`` (``OptimizerConfig``); a resumed run
+    keeps its schedule only when given the same ``steps``.
 
     Keeps the newest ``keep_checkpoints`` checkpoints (one every ``checkpoint_every`` steps and the last).
     Resumes from ``out_dir/checkpoints`` when it holds a checkpoint (the data order continues exactly).
@@ -114,7 +122,9 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
     meshes = build_meshes(RolePlan.for_device_count(len(jax.devices())))
     graphdef, params = nnx.split(model, nnx.Param)
     optimizer = make_optimizer(OptimizerConfig(learning_rate=learning_rate, weight_decay=weight_decay,
-                                               max_grad_norm=max_grad_norm))
+                                               max_grad_norm=max_grad_norm, schedule=lr_schedule,
+                                               decay_steps=steps if lr_schedule != "constant" else None,
+                                               warmup_steps=steps // 20 if lr_schedule != "constant" else 0))
     shardings = train_state_shardings(params, optimizer, meshes.trainer)
     rows = batch_shardings(meshes.trainer)
     train_step = make_train_step(graphdef, optimizer, loss_config, shardings, rows)

@@ -29,13 +29,18 @@ Metrics = dict[str, jax.Array]
 # ----------------------------------------------------------------------------------------------------------
 # Configuration
 # ----------------------------------------------------------------------------------------------------------
+LR_SCHEDULES = ("constant", "cosine")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW with global-norm gradient clipping; defaults are the papers' (ActFirst-OPD Table 6, ActionOPD
     Table 7): constant lr 1e-6, β = (0.9, 0.999), weight decay 0.01, clip 1.0.
 
     ``max_grad_norm=None`` disables clipping. Weight decay applies to every parameter, as torch's AdamW in
-    verl does.
+    verl does. ``schedule="cosine"`` (a fixed-length run such as SFT) warms the rate up linearly from 0 over
+    ``warmup_steps`` and decays it along a half cosine to ``final_fraction`` of its peak at ``decay_steps``
+    (constant after).
     """
 
     learning_rate: float = 1e-6
@@ -44,6 +49,10 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0
+    schedule: str = "constant"
+    decay_steps: int | None = None
+    warmup_steps: int = 0
+    final_fraction: float = 0.1
 
     def __post_init__(self):
         if not self.learning_rate > 0:
@@ -55,11 +64,28 @@ class OptimizerConfig:
                              f"weight_decay={self.weight_decay}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"OptimizerConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if self.schedule not in LR_SCHEDULES:
+            raise ValueError(f"OptimizerConfig.schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "cosine":
+            if not isinstance(self.decay_steps, int) or isinstance(self.decay_steps, bool) or self.decay_steps < 1:
+                raise ValueError(f"a cosine schedule needs decay_steps >= 1, got {self.decay_steps!r}")
+            if not 0 <= self.warmup_steps < self.decay_steps:
+                raise ValueError(f"warmup_steps must lie in [0, decay_steps={self.decay_steps}), "
+                                 f"got {self.warmup_steps}")
+            if not 0 <= self.final_fraction <= 1:
+                raise ValueError(f"final_fraction must lie in [0, 1], got {self.final_fraction}")
+
+    def learning_rate_at(self) -> float | optax.Schedule:
+        """The rate optax's AdamW takes: the constant, or the warm-up + cosine schedule of the step count."""
+        if self.schedule == "constant":
+            return self.learning_rate
+        return optax.warmup_cosine_decay_schedule(0.0, self.learning_rate, self.warmup_steps, self.decay_steps,
+                                                  end_value=self.learning_rate * self.final_fraction)
 
 
 def make_optimizer(config: OptimizerConfig = OptimizerConfig()) -> optax.GradientTransformation:
-    """``clip_by_global_norm`` (if enabled) followed by AdamW with a constant learning rate."""
-    adamw = optax.adamw(config.learning_rate, b1=config.b1, b2=config.b2, eps=config.eps,
+    """``clip_by_global_norm`` (if enabled) followed by AdamW at ``config``'s learning rate (or schedule)."""
+    adamw = optax.adamw(config.learning_rate_at(), b1=config.b1, b2=config.b2, eps=config.eps,
                         weight_decay=config.weight_decay)
     if config.max_grad_norm is None:
         return adamw
