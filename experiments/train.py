@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SFT (ALFWorld): add K copies of every demonstration with its object and receptacle classes "
                         "renamed at random, consistently (envs.alfworld_names), so names must be read from the "
                         "prompt, not guessed from the room (default 0)")
+    p.add_argument("--export-at", nargs=2, action="append", default=None, metavar=("STEP", "DIR"),
+                   help="SFT: also write the model of step STEP as a Hugging Face folder DIR when the run passes it "
+                        "(a weaker student from the teacher's own run; repeatable)")
     p.add_argument("--lr-schedule", default=None, choices=("constant", "cosine"),
                    help="SFT: constant learning rate (default) or cosine (warm-up over 5 %% of --steps, then a half "
                         "cosine down to a tenth at --steps)")
@@ -105,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     overrides = {name: getattr(args, name) for name in FLAG_FIELDS}
+    if getattr(args, "export_at", None) and args.method != "sft":
+        raise UsageError("--export-at writes intermediate SFT models; distillation runs export with --export")
     if args.method == "sft" and args.steps is not None:
         overrides["updates"] = args.steps
     try:
@@ -316,7 +321,8 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
                       max_train_tokens=config.max_train_tokens,
                       max_supervised_tokens=supervised, context_lm_weight=config.sft_context_weight,
                       checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
-                      eval_every=config.eval_every, evaluate=evaluate, progress=progress)
+                      eval_every=config.eval_every, evaluate=evaluate, exports=export_steps(args, steps),
+                      progress=progress)
     summary: dict[str, Any] = {"steps": steps, "samples": len(samples), "data": stats.as_dict(),
                                "demonstrations": {"kind": config.sft_demonstrations, "games": len(corpus.tasks),
                                                   "demonstrated": len(corpus.references), "failed": failures}}
@@ -325,6 +331,22 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
         save_qwen3(model, args.export)
         summary["export"] = args.export
     return summary
+
+
+def export_steps(args: argparse.Namespace, steps: int) -> dict[int, str]:
+    """``--export-at STEP DIR`` pairs as ``{step: folder}``; a usage error for a step outside the run or a folder
+    that cannot be written."""
+    exports: dict[int, str] = {}
+    for step_text, folder in getattr(args, "export_at", None) or ():
+        try:
+            step = int(step_text)
+        except ValueError:
+            raise UsageError(f"--export-at takes STEP DIR, and {step_text!r} is not a step") from None
+        if not 1 <= step <= steps:
+            raise UsageError(f"--export-at {step}: the run has steps 1 to {steps}")
+        cli.check_out_dir("--export-at", folder)
+        exports[step] = folder
+    return exports
 
 
 def plot_history(out: Path) -> None:

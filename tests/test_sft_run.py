@@ -23,13 +23,13 @@ MICRO = Qwen3Config(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, h
                     vocab_size=QWEN3_VOCAB_SIZE, dtype="float32", param_dtype="float32")
 
 
-def sft(source, out, steps, export=None, keep_checkpoints=3):
+def sft(source, out, steps, export=None, keep_checkpoints=3, export_at=None, **overrides):
     from experiments.train import run_sft
 
     config = build_config("sft", preset="cpu", batch_size=4, checkpoint_every=2, sft_context_weight=1.0,
                           max_prompt_tokens=1024, max_train_tokens=1152, updates=steps,
-                          keep_checkpoints=keep_checkpoints)
-    args = argparse.Namespace(steps=steps, no_eval=True, export=export)
+                          keep_checkpoints=keep_checkpoints, **overrides)
+    args = argparse.Namespace(steps=steps, no_eval=True, export=export, export_at=export_at)
     student = Qwen3(MICRO, rngs=nnx.Rngs(0))
     return run_sft(config, args, source, student, Qwen3Tokenizer(), out, progress=False)
 
@@ -108,3 +108,27 @@ def test_renamed_copies_join_the_corpus_with_their_own_names(source):
         build_config("sft", preset="cpu", benchmark="scienceworld", sft_renamed_copies=1)
     with pytest.raises(ValueError, match="learning-rate schedule"):
         build_config("vanilla-opd", preset="cpu", lr_schedule="cosine")
+
+
+def test_export_at_writes_the_model_of_an_earlier_step_under_a_cosine_schedule(source, tmp_path):
+    """``--export-at 1 DIR``: the step-1 model of the run (the weaker student), besides the final ``--export``;
+    with ``lr_schedule="cosine"`` (warm-up over 5 % of 3 steps: none) both differ from the start and each other."""
+    from experiments.train import build_parser, config_from_args
+    from jaxopd.cli import UsageError
+    from jaxopd.models.weights import load_qwen3
+
+    (tmp_path / "run").mkdir()
+    summary = sft(source, tmp_path / "run", 3, export=str(tmp_path / "final"),
+                  export_at=[("1", str(tmp_path / "early"))], lr_schedule="cosine")
+    assert summary["steps"] == 3
+    leaves = [jax.tree.leaves(nnx.state(model, nnx.Param)) for model in
+              (Qwen3(MICRO, rngs=nnx.Rngs(0)), load_qwen3(tmp_path / "early"), load_qwen3(tmp_path / "final"))]
+    start, early, final = ([np.asarray(leaf) for leaf in model] for model in leaves)
+    assert max(np.max(np.abs(a - b)) for a, b in zip(start, early)) > 1e-4
+    assert max(np.max(np.abs(a - b)) for a, b in zip(early, final)) > 1e-4
+    records = [r for r in read_jsonl(tmp_path / "run" / "train.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    args = build_parser().parse_args(["--method", "vanilla-opd", "--out", str(tmp_path / "x"),
+                                      "--export-at", "1", str(tmp_path / "y")])
+    with pytest.raises(UsageError, match="--export-at writes intermediate SFT models"):
+        config_from_args(args)

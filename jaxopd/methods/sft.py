@@ -91,6 +91,7 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
               max_train_tokens: int = 2048, max_supervised_tokens: int | None = 64, context_lm_weight: float = 0.0,
               lr_schedule: str = "constant", checkpoint_every: int = 50, keep_checkpoints: int = 3,
               eval_every: int = 0, evaluate: Callable[[Qwen3, int], Mapping[str, Any]] | None = None,
+              exports: Mapping[int, str | os.PathLike] | None = None,
               progress: bool = True, tensorboard: bool = True, log: Callable[[str], None] = print) -> Qwen3:
     """Trains ``model`` for ``steps`` steps of ``batch_size`` samples; returns the model with the trained weights.
 
@@ -103,6 +104,8 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
     Resumes from ``out_dir/checkpoints`` when it holds a checkpoint (the data order continues exactly).
     ``evaluate(model, step)`` runs before training (step 0, fresh runs only), every ``eval_every`` steps and at
     the end; its result goes to ``eval.jsonl`` with the training wall-clock (evaluation time excluded).
+    ``exports`` maps a step to a folder where the model of that step is written as a Hugging Face folder when the
+    run passes it (a weaker student from the same run as its teacher).
     """
     if not samples:
         raise ValueError("no SFT samples")
@@ -110,6 +113,10 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
     if too_long:
         raise ValueError(f"{len(too_long)} SFT samples exceed max_train_tokens {max_train_tokens} "
                          f"(longest {max(too_long)}); raise it or lower the prompt budget")
+    exports = dict(exports or {})
+    bad = [at for at in exports if isinstance(at, bool) or not isinstance(at, int) or not 1 <= at <= steps]
+    if bad:
+        raise ValueError(f"export steps must lie in [1, {steps}], got {bad}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dataset = SFTDataset(samples, batch_size, seed=seed)
@@ -181,6 +188,10 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
             if step % checkpoint_every == 0 or step == steps:
                 checkpointer.save(state, metadata={"wall_s": time.perf_counter() - start})
+            if step in exports:
+                from jaxopd.models.weights import save_qwen3
+                save_qwen3(current_model(), exports[step])
+                log(f"exported the step-{step} model to {exports[step]}")
             if evaluate is not None and ((eval_every and step % eval_every == 0) or step == steps):
                 start += run_eval(step, time.perf_counter() - start)
     finally:
