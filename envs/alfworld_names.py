@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import re
 import zlib
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -90,13 +90,17 @@ def random_renaming(reference: ReferenceTrajectory, *, seed: int, copy: int = 0)
     return mapping
 
 
+def _renamer(mapping: Mapping[str, str]) -> Callable[[str], str]:
+    if not mapping:
+        return lambda text: text
+    pattern = re.compile(r"\b(" + "|".join(sorted(map(re.escape, mapping), key=len, reverse=True)) + r")\b")
+    return lambda text: pattern.sub(lambda match: mapping[match.group(1)], text)
+
+
 def rename_text(text: str, mapping: Mapping[str, str]) -> str:
     """``text`` with every whole-word class of ``mapping`` replaced at once (no chained replacement:
     ``{"apple": "egg", "egg": "apple"}`` swaps them)."""
-    if not mapping:
-        return text
-    pattern = re.compile(r"\b(" + "|".join(sorted(map(re.escape, mapping), key=len, reverse=True)) + r")\b")
-    return pattern.sub(lambda match: mapping[match.group(1)], text)
+    return _renamer(mapping)(text)
 
 
 def rename_reference(reference: ReferenceTrajectory, mapping: Mapping[str, str], *, tag: str = "renamed"
@@ -110,12 +114,11 @@ def rename_reference(reference: ReferenceTrajectory, mapping: Mapping[str, str],
     fixed = (set(mapping) | set(targets)) & FIXED_CLASSES
     if fixed:
         raise ValueError(f"the classes {sorted(fixed)} are never renamed (they decide the command)")
-    pattern = {key: value for key, value in mapping.items() if key != value}
-    records = tuple(dataclasses.replace(record, text=rename_text(record.text, pattern),
-                                        admissible_actions=tuple(rename_text(a, pattern)
-                                                                 for a in record.admissible_actions))
+    rename = _renamer({key: value for key, value in mapping.items() if key != value})
+    records = tuple(dataclasses.replace(record, text=rename(record.text),
+                                        admissible_actions=tuple(map(rename, record.admissible_actions)))
                     for record in reference.records)
     return dataclasses.replace(
-        reference, task_id=f"{reference.task_id}#{tag}", instruction=rename_text(reference.instruction, pattern),
-        observations=tuple(rename_text(o, pattern) for o in reference.observations),
-        actions=tuple(rename_text(a, pattern) for a in reference.actions), records=records)
+        reference, task_id=f"{reference.task_id}#{tag}", instruction=rename(reference.instruction),
+        observations=tuple(map(rename, reference.observations)), actions=tuple(map(rename, reference.actions)),
+        records=records)
