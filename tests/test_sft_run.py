@@ -110,6 +110,7 @@ def test_renamed_copies_join_the_corpus_with_their_own_names(source):
         build_config("vanilla-opd", preset="cpu", lr_schedule="cosine")
 
 
+@pytest.mark.slow
 def test_export_at_writes_the_model_of_an_earlier_step_under_a_cosine_schedule(source, tmp_path):
     """``--export-at 1 DIR``: the step-1 model of the run (the weaker student), besides the final ``--export``;
     with ``lr_schedule="cosine"`` (warm-up over 5 % of 3 steps: none) both differ from the start and each other."""
