@@ -29,6 +29,7 @@ from jaxopd import cli
 from jaxopd.cli import UsageError
 from jaxopd.methods.benchmarks import BenchmarkError, GeneratedCounts, resolve_source, subset
 from jaxopd.methods.config import METHODS, PRESETS, SFT_DEMONSTRATIONS, SFT_THINKING, RunConfig, build_config
+from jaxopd.train.step import LR_SCHEDULES
 
 FLAG_FIELDS = ("benchmark", "games", "student", "teacher", "student_model_preset", "teacher_model_preset", "updates",
                "batch_size", "rollout_slots", "rollout_mode", "collection_tasks", "train_tasks", "checkpoint_every",
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-at", nargs=2, action="append", default=None, metavar=("STEP", "DIR"),
                    help="SFT: also write the model of step STEP as a Hugging Face folder DIR when the run passes it "
                         "(a weaker student from the teacher's own run; repeatable)")
-    p.add_argument("--lr-schedule", default=None, choices=("constant", "cosine"),
+    p.add_argument("--lr-schedule", default=None, choices=LR_SCHEDULES,
                    help="SFT: constant learning rate (default) or cosine (warm-up over 5 %% of --steps, then a half "
                         "cosine down to a tenth at --steps)")
     p.add_argument("--batch-size", type=int, default=None)

@@ -241,11 +241,11 @@ def test_configs_and_batches_are_validated(setup):
 def test_cosine_schedule_warms_up_then_decays_to_its_floor():
     config = OptimizerConfig(learning_rate=1e-3, schedule="cosine", decay_steps=100, warmup_steps=10,
                              final_fraction=0.1)
-    rate = config.learning_rate_at()
+    rate = config.learning_rate_schedule()
     np.testing.assert_allclose([float(rate(s)) for s in (0, 5, 10, 55, 100, 200)],
                                [0.0, 5e-4, 1e-3, 1e-4 + 0.9e-3 * 0.5 * (1 + np.cos(np.pi * 0.5)), 1e-4, 1e-4],
                                rtol=1e-5)
-    assert OptimizerConfig(learning_rate=1e-3).learning_rate_at() == 1e-3
+    assert OptimizerConfig(learning_rate=1e-3).learning_rate_schedule() == 1e-3
     # the optimizer takes the scheduled rate: with warm-up the first update is zero, the second is not
     optimizer = make_optimizer(config)
     params = {"w": jnp.array([1.0])}

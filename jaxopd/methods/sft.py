@@ -130,8 +130,7 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
     graphdef, params = nnx.split(model, nnx.Param)
     optimizer = make_optimizer(OptimizerConfig(learning_rate=learning_rate, weight_decay=weight_decay,
                                                max_grad_norm=max_grad_norm, schedule=lr_schedule,
-                                               decay_steps=steps if lr_schedule != "constant" else None,
-                                               warmup_steps=steps // 20 if lr_schedule != "constant" else 0))
+                                               decay_steps=steps, warmup_steps=steps // 20))
     shardings = train_state_shardings(params, optimizer, meshes.trainer)
     rows = batch_shardings(meshes.trainer)
     train_step = make_train_step(graphdef, optimizer, loss_config, shardings, rows)

@@ -40,7 +40,7 @@ class OptimizerConfig:
     ``max_grad_norm=None`` disables clipping. Weight decay applies to every parameter, as torch's AdamW in
     verl does. ``schedule="cosine"`` (a fixed-length run such as SFT) warms the rate up linearly from 0 over
     ``warmup_steps`` and decays it along a half cosine to ``final_fraction`` of its peak at ``decay_steps``
-    (constant after).
+    (constant after). ``decay_steps`` and ``warmup_steps`` are ignored by the constant schedule.
     """
 
     learning_rate: float = 1e-6
@@ -75,7 +75,7 @@ class OptimizerConfig:
             if not 0 <= self.final_fraction <= 1:
                 raise ValueError(f"final_fraction must lie in [0, 1], got {self.final_fraction}")
 
-    def learning_rate_at(self) -> float | optax.Schedule:
+    def learning_rate_schedule(self) -> float | optax.Schedule:
         """The rate optax's AdamW takes: the constant, or the warm-up + cosine schedule of the step count."""
         if self.schedule == "constant":
             return self.learning_rate
@@ -85,7 +85,7 @@ class OptimizerConfig:
 
 def make_optimizer(config: OptimizerConfig = OptimizerConfig()) -> optax.GradientTransformation:
     """``clip_by_global_norm`` (if enabled) followed by AdamW at ``config``'s learning rate (or schedule)."""
-    adamw = optax.adamw(config.learning_rate_at(), b1=config.b1, b2=config.b2, eps=config.eps,
+    adamw = optax.adamw(config.learning_rate_schedule(), b1=config.b1, b2=config.b2, eps=config.eps,
                         weight_decay=config.weight_decay)
     if config.max_grad_norm is None:
         return adamw
