@@ -166,11 +166,10 @@ class ChaosEnv(TextEnv):
         self.current: str | None = None          # the benchmark of the episode in progress
         self.task_id: str | None = None
         self.in_episode = False
-        self.armed: str | None = None            # the fault the next ALFWorld step raises
         self.pending_kills = 0                   # kills of the current JVM no call has noticed yet
         self.in_flight = 0                       # calls running now
         self.closed = False
-        self.lock = threading.Lock()             # guards armed / pending_kills / closed against the chaos thread
+        self.lock = threading.Lock()             # guards pending_kills / closed against the chaos thread
         self.uid = monkey.register(self)
 
     @property
@@ -206,8 +205,7 @@ class ChaosEnv(TextEnv):
         def run() -> Observation:
             env = self.envs[self.current]
             if self.current == "alfworld":
-                with self.lock:
-                    fault, self.armed = self.armed, None
+                fault = self.monkey.take_armed()
                 if fault is not None:
                     self.monkey.trigger(self, fault, lambda: env.step(action))
             return self._restarts_noted(env, lambda: env.step(action))
@@ -296,7 +294,8 @@ class ChaosMonkey:
         self.jvm_restarts = 0
         self.abandoned_calls = 0          # calls the pool timed out (the environment was closed during them)
         self.late_results = 0             # abandoned calls that ended later (ignored, as the pool ignores them)
-        self.armed_unused = 0
+        self.armed: list[str] = []        # ALFWorld faults armed: the next ALFWorld step of any environment runs one
+        self.armed_unused = 0             # still armed when the chaos stopped (no ALFWorld step came after)
         self.skipped = 0                  # moments with no eligible target
         self.jvm_peak = 0
         self._lock = threading.RLock()
@@ -327,6 +326,15 @@ class ChaosMonkey:
             run_step()                            # the engine's state moves on; the pool must not trust it
         self._fault("alfworld_raise", env, f"raised {when} the engine step")
         raise _InjectedFault(f"chaos: injected ALFWorld step fault ({when} the engine step)")
+
+    def take_armed(self) -> str | None:
+        """The armed fault an ALFWorld step is about to run, if any (each runs once).
+
+        Armed faults wait for the next ALFWorld step of whichever environment takes one, not of the environment
+        in episode when it was armed: that one may be at its turn cap and play only ScienceWorld tasks after it
+        (a hang armed so never happened, and CI's chaos run counted no hang)."""
+        with self._lock:
+            return self.armed.pop(0) if self.armed else None
 
     def note_error(self, env: ChaosEnv, error: BaseException) -> None:
         if env.closed or isinstance(error, _LateHang):
@@ -368,7 +376,6 @@ class ChaosMonkey:
         with self._lock:
             self.events.append((round(self._elapsed(), 3), env.uid, "closed", pending, abandoned))
             self.kills_unnoticed += pending
-            self.armed_unused += env.armed is not None
             self.abandoned_calls += abandoned
 
     # -- the chaos thread
@@ -381,6 +388,9 @@ class ChaosMonkey:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        with self._lock:
+            self.armed_unused += len(self.armed)
+            self.armed.clear()
 
     def injected(self) -> dict[str, int]:
         counts = collections.Counter(fault.kind for fault in self.faults)
@@ -416,8 +426,7 @@ class ChaosMonkey:
 
     def _hangs_used(self) -> int:
         with self._lock:
-            return (sum(f.kind == "hang" for f in self.faults)
-                    + sum(e.armed == "hang" and not e.closed for e in self.envs))
+            return sum(f.kind == "hang" for f in self.faults) + self.armed.count("hang")
 
     def _inject(self, kind: str) -> bool:
         with self._lock:
@@ -440,16 +449,15 @@ class ChaosMonkey:
                 env.pending_kills += 1
             self._fault("jvm_kill", env, f"SIGKILL pid {pid}")
             return True
-        candidates = [env for env in envs if not env.closed and env.in_episode and env.current == "alfworld"
-                      and env.armed is None]
-        if not candidates:
+        # an ALFWorld fault is armed at a moment an ALFWorld episode is under way (the rate the chaos was tuned to),
+        # one at a time, and runs in the next ALFWorld step of any environment
+        if not any(not env.closed and env.in_episode and env.current == "alfworld" for env in envs):
             return False
-        env = self.rng.choice(candidates)
         fault = kind if kind == "hang" else self.rng.choice(("alfworld_raise_before", "alfworld_raise_after"))
-        with env.lock:
-            if env.closed or env.armed is not None:
+        with self._lock:
+            if self.armed:
                 return False
-            env.armed = fault
+            self.armed.append(fault)
         return True
 
 

@@ -9,6 +9,9 @@ the split's generated games, rendered as SFT renders them (``--thinking``, ``--m
 a markdown table beside it. ``--free-running`` also lets each model write its whole answer in every demonstration
 state (greedy, the paged engine, the thinking budget ``--think-tokens``), as in play: the action and thinking it
 writes itself, against the demonstration's (``jaxopd.methods.demo_fit.free_running_fit``; the answers go in the JSON).
+``--teacher DIR`` adds each model's exact reverse KL to that teacher on the same turns
+(``jaxopd.methods.divergence.exact_reverse_kl``, at ``--kl-temperature``): how a distilled student compares with the
+one it started from, on states neither trained on.
 """
 from __future__ import annotations
 
@@ -35,6 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--think-tokens", type=int, nargs=2, default=[48, 64], metavar=("FIRST", "TOTAL"),
                         help="thinking budget of a free-running answer: first-stage and total tokens (default: the "
                              "cpu preset's 48 64)")
+    parser.add_argument("--teacher", metavar="DIR",
+                        help="Hugging Face Qwen3 folder: also report each model's exact reverse KL to it on the turns")
+    parser.add_argument("--kl-temperature", type=float, default=1.0,
+                        help="temperature of both models in the reverse KL (default 1.0, the OPD rollouts')")
     parser.add_argument("--out", required=True, help="JSON file (a markdown table is written beside it)")
     args = parser.parse_args(argv)
     return run_main(lambda: run(args, argv))
@@ -55,6 +62,10 @@ def run(args, argv) -> int:
         raise UsageError(f"--think-tokens needs 0 < FIRST <= TOTAL, got {first} {total}")
     for folder in args.model:
         check_checkpoint_folder("--model", folder)
+    if args.teacher is not None:
+        check_checkpoint_folder("--teacher", args.teacher)
+    if not args.kl_temperature > 0:
+        raise UsageError(f"--kl-temperature must be > 0, got {args.kl_temperature}")
     out = check_out_file("--out", args.out)
     source = resolve_source("alfworld", "generated", counts=GeneratedCounts(), progress=False)
     tasks = subset(source.tasks(args.split), args.num_tasks, seed=0)
@@ -72,9 +83,19 @@ def run(args, argv) -> int:
         samples += ref_samples
         goals += [goal.obj if goal else None] * len(ref_samples)
     rows, free, answers = {}, {}, {}
+    teacher = None
+    if args.teacher is not None:
+        from flax import nnx
+        teacher = nnx.split(load_qwen3(args.teacher), nnx.Param)
     for folder in args.model:
         model = load_qwen3(folder)
         rows[folder] = demonstration_fit(model, samples, tokenizer, goal_objects=goals)
+        if teacher is not None:
+            from flax import nnx
+
+            from jaxopd.methods.divergence import exact_reverse_kl
+            rows[folder]["exact_reverse_kl"] = exact_reverse_kl(nnx.split(model, nnx.Param), teacher, samples,
+                                                                temperature=args.kl_temperature)
         print(f"{folder}: {json.dumps(rows[folder])}", flush=True)
         if args.free_running:
             free[folder], answers[folder] = _free_running(model, samples, tokenizer, goals, args)
@@ -82,10 +103,14 @@ def run(args, argv) -> int:
     command = command_line("python -m experiments.demo_fit", argv)
     result = {"command": command, "split": args.split, "games": len(references), "turns": len(samples),
               "demonstrations": args.demonstrations, "thinking": args.thinking, "models": rows}
+    if teacher is not None:
+        result.update(teacher=args.teacher, kl_temperature=args.kl_temperature)
     if args.free_running:
         result.update(think_tokens=[first, total], free_running=free, free_running_answers=answers)
-    head = "| model | response NLL | action exact (greedy) | goal object: p(first token) | goal object exact |"
-    lines = [head, "|---|---|---|---|---|"]
+    kl_head = f" exact reverse KL to `{args.teacher}` (T {args.kl_temperature:g}) |" if teacher is not None else ""
+    head = ("| model | response NLL | action exact (greedy) | goal object: p(first token) | goal object exact |"
+            + kl_head)
+    lines = [head, "|---|---|---|---|---|" + ("---|" if teacher is not None else "")]
 
     def cell(value):
         return "—" if value is None else f"{value:.3f}"
@@ -93,7 +118,8 @@ def run(args, argv) -> int:
     for folder, row in rows.items():
         lines.append(f"| `{folder}` | {row['response_nll']:.3f} | {cell(row['action_exact'])} "
                      f"({row['action_turns']} turns) | {cell(row['goal_object_prob'])} | "
-                     f"{cell(row['goal_object_exact'])} ({row['goal_mentions']} mentions) |")
+                     f"{cell(row['goal_object_exact'])} ({row['goal_mentions']} mentions) |"
+                     + (f" {row['exact_reverse_kl']:.4f} |" if teacher is not None else ""))
     table = "\n".join(lines) + (f"\n\n{len(samples)} teacher-forced turns of {len(references)} `{args.split}` games "
                                 f"({args.demonstrations}, thinking {args.thinking}).\n")
     table += "\nAction exact by the demonstrated action's verb (exact / turns):\n\n"

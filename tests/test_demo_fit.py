@@ -131,3 +131,46 @@ def test_free_running_answers_are_the_dense_greedy_decode(setup):
             ids.append(int(np.asarray(model(np.array([ids])))[0, -1].argmax()))
         greedy = tokenizer.decode(ids[-budget.first_stage_tokens:])
         assert answer.startswith(greedy), (answer, greedy)   # then the budget's early-stop text, when it fits
+
+
+def test_cli_teacher_adds_the_exact_reverse_kl_of_each_model(tmp_path, monkeypatch):
+    """``experiments.demo_fit --teacher``: each model's row carries its exact reverse KL to the teacher on the same
+    demonstration turns — zero for the teacher itself, ``exact_reverse_kl``'s value for another model."""
+    import functools
+    import json
+
+    import test_train_loop
+
+    from envs import alfworld_gen
+    from experiments import demo_fit as cli
+    from jaxopd.methods import benchmarks
+    from jaxopd.methods.divergence import exact_reverse_kl
+    from jaxopd.methods.sft_data import walkthrough_samples
+    from jaxopd.models.weights import load_qwen3, save_qwen3
+
+    pytest.importorskip("alfworld")
+    from envs.alfworld import AlfWorldEnv
+
+    root = alfworld_gen.ensure_games(tmp_path / "games", seed=0, counts={"train": 2, "valid_seen": 0,
+                                                                         "valid_unseen": 0}, workers=1, progress=False)
+    source = benchmarks.BenchmarkSource("alfworld", root, "generated", functools.partial(AlfWorldEnv, root))
+    monkeypatch.setattr(benchmarks, "resolve_source", lambda *args, **kwargs: source)
+    folders = []
+    for seed in (0, 1):
+        folders.append(str(save_qwen3(Qwen3(test_train_loop.MICRO, rngs=nnx.Rngs(seed)), tmp_path / f"m{seed}")))
+    out = tmp_path / "fit.json"
+    assert cli.main(["--model", folders[0], "--model", folders[1], "--teacher", folders[1], "--split", "train",
+                     "--num-tasks", "2", "--demonstrations", "walkthrough", "--thinking", "state",
+                     "--kl-temperature", "0.7", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["teacher"] == folders[1] and result["kl_temperature"] == 0.7
+    tokenizer = load_tokenizer(None)
+    tasks = benchmarks.subset(source.tasks("train"), 2, seed=0)
+    references = benchmarks.references_for(source, tasks, workers=1, progress=False, kind="solution")
+    samples, _ = walkthrough_samples(references, tokenizer, max_prompt_tokens=1024, thinking="state")
+    expected = exact_reverse_kl(nnx.split(load_qwen3(folders[0]), nnx.Param),
+                                nnx.split(load_qwen3(folders[1]), nnx.Param), samples, temperature=0.7)
+    assert result["models"][folders[0]]["exact_reverse_kl"] == pytest.approx(expected, rel=1e-5)
+    assert expected > 1e-3
+    assert result["models"][folders[1]]["exact_reverse_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert "exact reverse KL" in out.with_suffix(".md").read_text()
