@@ -12,9 +12,9 @@ names); it is deterministic, so the same task and seed give the same actions, he
 
 The faults, at seeded random moments from a chaos thread (exponential gaps, ``--mean-gap``):
 ``jvm_kill``: SIGKILL of the JVM of a ScienceWorld environment that is in an episode (checked to be a java child
-of this process); ``ScienceWorldEnv`` restarts it and replays the episode. ``alfworld_raise``: the next step of an
-ALFWorld environment that is in an episode raises ``RuntimeError``, before or after the engine executed it; the
-pool discards the environment, rebuilds it and replays the episode. ``hang``: one ALFWorld step sleeps past the
+of this process); ``ScienceWorldEnv`` restarts it and replays the episode. ``alfworld_raise``: armed at a moment an
+ALFWorld episode is under way, the next ALFWorld step of any environment raises ``RuntimeError``, before or after
+the engine executed it; the pool discards the environment, rebuilds it and replays the episode. ``hang``: one ALFWorld step sleeps past the
 pool's ``call_timeout_s``; the pool abandons it, rebuilds and replays.
 
 What it checks (``ChaosReport.checks``): exactly one outcome per task, in task order, none duplicated; every
