@@ -14,8 +14,9 @@ The faults, at seeded random moments from a chaos thread (exponential gaps, ``--
 ``jvm_kill``: SIGKILL of the JVM of a ScienceWorld environment that is in an episode (checked to be a java child
 of this process); ``ScienceWorldEnv`` restarts it and replays the episode. ``alfworld_raise``: armed at a moment an
 ALFWorld episode is under way, the next ALFWorld step of any environment raises ``RuntimeError``, before or after
-the engine executed it; the pool discards the environment, rebuilds it and replays the episode. ``hang``: one ALFWorld step sleeps past the
-pool's ``call_timeout_s``; the pool abandons it, rebuilds and replays.
+the engine executed it; the pool discards the environment, rebuilds it and replays the episode. ``hang``: one
+ALFWorld step, armed the same way, sleeps past the pool's ``call_timeout_s``; the pool abandons it, rebuilds and
+replays.
 
 What it checks (``ChaosReport.checks``): exactly one outcome per task, in task order, none duplicated; every
 completed trajectory equal to a fault-free run of the same task and seed (same actions, responses, end reason,

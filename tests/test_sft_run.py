@@ -110,6 +110,37 @@ def test_renamed_copies_join_the_corpus_with_their_own_names(source):
         build_config("vanilla-opd", preset="cpu", lr_schedule="cosine")
 
 
+def test_take_copies_add_renamed_copies_of_the_take_turns_only(source):
+    """``sft_take_copies=2``: after the whole corpus (here with one renamed copy), two more renamed copies of exactly
+    its ``take`` turns, each renamed afresh: none equals a sample before it or the other copy."""
+    from jaxopd.methods.sft import sft_corpus
+
+    tokenizer = Qwen3Tokenizer()
+
+    def action(sample):
+        text = tokenizer.decode(sample.tokens.tolist())
+        return text[text.rindex("<action>") + len("<action>"):text.rindex("</action>")]
+
+    base = sft_corpus(build_config("sft", preset="cpu", sft_thinking="state", sft_renamed_copies=1), source,
+                      tokenizer, progress=False)
+    more = sft_corpus(build_config("sft", preset="cpu", sft_thinking="state", sft_renamed_copies=1,
+                                   sft_take_copies=2), source, tokenizer, progress=False)
+    takes = [s for s in base.samples[:len(base.samples) // 2] if action(s).startswith("take ")]
+    assert len(takes) >= 2                                    # the two games' walkthroughs each take something
+    assert more.stats.samples == len(more.samples) == base.stats.samples + 2 * len(takes)
+    assert more.stats.turns == base.stats.turns + 2 * len(takes)
+    assert [s.tokens.tolist() for s in more.samples[:base.stats.samples]] == [s.tokens.tolist() for s in base.samples]
+    extra = more.samples[base.stats.samples:]
+    assert all(action(s).startswith("take ") for s in extra)
+    texts = [tokenizer.decode(s.tokens.tolist()) for s in extra]
+    before = {tokenizer.decode(s.tokens.tolist()) for s in base.samples}
+    assert len(set(texts)) == len(texts) and not before & set(texts)
+    with pytest.raises(ValueError, match="sft_take_copies 0"):
+        build_config("sft", preset="cpu", benchmark="scienceworld", sft_take_copies=1)
+    with pytest.raises(ValueError, match="non-negative"):
+        build_config("sft", preset="cpu", sft_take_copies=-1)
+
+
 @pytest.mark.slow
 def test_export_at_writes_the_model_of_an_earlier_step_under_a_cosine_schedule(source, tmp_path):
     """``--export-at 1 DIR``: the step-1 model of the run (the weaker student), besides the final ``--export``;

@@ -56,7 +56,9 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
     """The demonstration turns of ``config`` (a ``RunConfig``): its seeded subset of the benchmark's training games
     (``train_tasks``), demonstrated by ``sft_demonstrations`` (the searching expert within ``max_turns``), each
     joined by ``sft_renamed_copies`` copies with its classes renamed at random (``envs.alfworld_names``), rendered
-    with ``sft_thinking`` under ``max_prompt_tokens``. Raises ``ValueError`` when no demonstration succeeded."""
+    with ``sft_thinking`` under ``max_prompt_tokens``; then ``sft_take_copies`` more renamed copies of the turns whose
+    action is ``take`` only, each renamed afresh (the turns where the goal object is in view: the tenth of the corpus
+    a free-running teacher got wrong, stop 28). Raises ``ValueError`` when no demonstration succeeded."""
     tasks = subset(source.tasks(TRAIN_SPLIT[config.benchmark]), config.train_tasks, seed=config.seed)
     kind = SFT_DEMONSTRATIONS[config.sft_demonstrations]
     failures: dict[str, str] = {}
@@ -72,6 +74,15 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
                                             tag=f"renamed{copy}") for reference in references.values()]
     samples, stats = walkthrough_samples(demonstrations, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
                                          benchmark=config.benchmark, thinking=config.sft_thinking)
+    for extra in range(1, config.sft_take_copies + 1):
+        copy = config.sft_renamed_copies + extra          # renamings none of the whole copies used
+        renamed = [rename_reference(reference, random_renaming(reference, seed=config.seed, copy=copy),
+                                    tag=f"renamed{copy}") for reference in references.values()]
+        more, more_stats = walkthrough_samples(renamed, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
+                                               benchmark=config.benchmark, thinking=config.sft_thinking,
+                                               verbs={"take"})
+        samples += more
+        stats = stats.merged(more_stats)
     return SFTCorpus(samples, stats, list(tasks), references, failures)
 
 

@@ -21,7 +21,7 @@ are zeros (nothing was sampled) and the policy version is 0.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Collection, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -273,6 +273,13 @@ class WalkthroughStats:
     def tokens(self) -> int:
         return self.prompt_tokens + self.response_tokens
 
+    def merged(self, other: "WalkthroughStats") -> "WalkthroughStats":
+        """The counts of both calls together (sums; the longest of each)."""
+        longest = ("max_prompt_tokens", "max_response_tokens")
+        return WalkthroughStats(**{f.name: (max if f.name in longest else int.__add__)(getattr(self, f.name),
+                                                                                       getattr(other, f.name))
+                                   for f in dataclasses.fields(self)})
+
     @property
     def mean_prompt_tokens(self) -> float:
         return self.prompt_tokens / self.samples if self.samples else 0.0
@@ -296,8 +303,8 @@ def _reference_list(references: Mapping[str, ReferenceTrajectory] | Iterable[Ref
 
 
 def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable[ReferenceTrajectory], tokenizer,
-                        *, max_prompt_tokens: int, benchmark: str = "alfworld", thinking: str = "none"
-                        ) -> tuple[list[Sample], WalkthroughStats]:
+                        *, max_prompt_tokens: int, benchmark: str = "alfworld", thinking: str = "none",
+                        verbs: Collection[str] | None = None) -> tuple[list[Sample], WalkthroughStats]:
     """Every walkthrough turn of ``references`` as an SFT sample, and the counts.
 
     A sample's ids are the full-mode prompt, rendered by ``render_prompt`` under ``max_prompt_tokens`` exactly
@@ -309,7 +316,8 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
     A turn whose prompt does not fit even without history is skipped and counted in ``stats.skipped``.
 
     ``references``: a sequence of ``ReferenceTrajectory`` or a mapping of them (``load_references``); samples
-    come in that order, turns in order within a reference.
+    come in that order, turns in order within a reference. ``verbs``: only the turns whose action's first word is
+    one of them (``{"take"}``); the others are not counted.
     """
     if thinking not in SFT_THINKING:
         raise ValueError(f"unknown SFT thinking {thinking!r}; expected one of {SFT_THINKING}")
@@ -319,6 +327,8 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
     for reference in _reference_list(references):
         stats.references += 1
         for turn in walkthrough_turns(reference, benchmark=benchmark):
+            if verbs is not None and turn.action.split(" ", 1)[0] not in verbs:
+                continue
             stats.turns += 1
             try:
                 prompt = render_prompt(tokenizer, SFT_MODE, turn.inputs, max_prompt_tokens)
