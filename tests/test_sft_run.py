@@ -110,9 +110,19 @@ def test_renamed_copies_join_the_corpus_with_their_own_names(source):
         build_config("vanilla-opd", preset="cpu", lr_schedule="cosine")
 
 
+def _after_go_or_open(text: str) -> bool:
+    """Whether a rendered sample's last history action (the one right before the current observation) went to or
+    opened a receptacle."""
+    import re
+
+    actions = re.findall(r"\[Step \d+ action\] ([^\n]*)", text)
+    return bool(actions) and actions[-1].startswith(("go to ", "open "))
+
+
 def test_take_copies_add_renamed_copies_of_the_take_turns_only(source):
     """``sft_take_copies=2``: after the whole corpus (here with one renamed copy), two more renamed copies of exactly
-    its ``take`` turns, each renamed afresh: none equals a sample before it or the other copy."""
+    its ``take`` turns, each renamed afresh: none equals a sample before it or the other copy. ``sft_arrival_copies``
+    then adds renamed copies of the turns after a ``go to`` or ``open``."""
     from jaxopd.methods.sft import sft_corpus
 
     tokenizer = Qwen3Tokenizer()
@@ -135,6 +145,17 @@ def test_take_copies_add_renamed_copies_of_the_take_turns_only(source):
     texts = [tokenizer.decode(s.tokens.tolist()) for s in extra]
     before = {tokenizer.decode(s.tokens.tolist()) for s in base.samples}
     assert len(set(texts)) == len(texts) and not before & set(texts)
+    # arrival copies: the turns after a go to or open, renamed afresh again (copies 4 and 5 here)
+    both = sft_corpus(build_config("sft", preset="cpu", sft_thinking="state", sft_renamed_copies=1, sft_take_copies=2,
+                                   sft_arrival_copies=2), source, tokenizer, progress=False)
+    originals = base.samples[:len(base.samples) // 2]
+    arrivals = [s for s in originals if _after_go_or_open(tokenizer.decode(s.tokens.tolist()))]
+    assert 0 < len(arrivals) < len(originals) and base.stats.history_truncated == 0   # every last action shown
+    assert len(both.samples) == len(more.samples) + 2 * len(arrivals)
+    assert [s.tokens.tolist() for s in both.samples[:len(more.samples)]] == [s.tokens.tolist() for s in more.samples]
+    arrival_texts = [tokenizer.decode(s.tokens.tolist()) for s in both.samples[len(more.samples):]]
+    assert all(_after_go_or_open(text) for text in arrival_texts)
+    assert len(set(arrival_texts)) == len(arrival_texts) and not (before | set(texts)) & set(arrival_texts)
     with pytest.raises(ValueError, match="sft_take_copies 0"):
         build_config("sft", preset="cpu", benchmark="scienceworld", sft_take_copies=1)
     with pytest.raises(ValueError, match="non-negative"):

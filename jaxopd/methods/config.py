@@ -113,6 +113,7 @@ class RunConfig:
     sft_thinking: str = "none"               # SFT_THINKING: SFT's answers, and distillation's held-out answers
     sft_renamed_copies: int = 0              # copies of each demonstration, classes renamed (envs.alfworld_names)
     sft_take_copies: int = 0                 # more renamed copies of the turns whose action is ``take`` only
+    sft_arrival_copies: int = 0              # ... and of the turns after a ``go to`` or ``open`` (sft_data.FOCUS_TURNS)
     lr_schedule: str = "constant"            # SFT only: "cosine" warms up over 5 % of the steps, then decays to 10 %
 
     def __post_init__(self):
@@ -137,7 +138,7 @@ class RunConfig:
         if self.lr_schedule != "constant" and self.method != "sft":
             raise ValueError(f"a {self.lr_schedule} learning-rate schedule is for SFT's fixed number of steps; the "
                              "distillation methods keep the papers' constant rate")
-        for name in ("sft_renamed_copies", "sft_take_copies"):
+        for name in ("sft_renamed_copies", "sft_take_copies", "sft_arrival_copies"):
             if getattr(self, name) and self.benchmark != "alfworld":
                 raise ValueError(f"renamed demonstration copies rename ALFWorld's classes; ScienceWorld SFT has none "
                                  f"({name} 0)")
@@ -158,7 +159,7 @@ class RunConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"RunConfig.{name} must be a positive integer or None, got {value!r}")
         for name in ("max_version_lag", "eval_every", "second_stage_tokens", "top_k", "sft_renamed_copies",
-                     "sft_take_copies"):
+                     "sft_take_copies", "sft_arrival_copies"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"RunConfig.{name} must be a non-negative integer, got {value!r}")

@@ -28,7 +28,7 @@ from jaxopd.methods.benchmarks import TRAIN_SPLIT, BenchmarkSource, references_f
 from jaxopd.methods.config import SFT_DEMONSTRATIONS, RunConfig
 from jaxopd.methods.loop import batch_length
 from jaxopd.methods.metrics_log import MetricsWriter
-from jaxopd.methods.sft_data import SFTDataset, WalkthroughStats, walkthrough_samples
+from jaxopd.methods.sft_data import FOCUS_TURNS, SFTDataset, WalkthroughStats, walkthrough_samples
 from jaxopd.models.qwen3 import Qwen3
 from jaxopd.train.buffer import Sample, collate_samples
 from jaxopd.train.checkpoint import TrainCheckpointer
@@ -57,8 +57,9 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
     (``train_tasks``), demonstrated by ``sft_demonstrations`` (the searching expert within ``max_turns``), each
     joined by ``sft_renamed_copies`` copies with its classes renamed at random (``envs.alfworld_names``), rendered
     with ``sft_thinking`` under ``max_prompt_tokens``; then ``sft_take_copies`` more renamed copies of the turns whose
-    action is ``take`` only, each renamed afresh (the turns where the goal object is in view: the tenth of the corpus
-    a free-running teacher got wrong, stop 28). Raises ``ValueError`` when no demonstration succeeded."""
+    action is ``take`` only, and ``sft_arrival_copies`` of the turns after a ``go to`` or ``open``, each renamed afresh
+    (``sft_data.FOCUS_TURNS``: the turns where the answer says whether the goal object is in view, which a
+    free-running teacher got wrong, results/train stop 28). Raises ``ValueError`` when no demonstration succeeded."""
     tasks = subset(source.tasks(TRAIN_SPLIT[config.benchmark]), config.train_tasks, seed=config.seed)
     kind = SFT_DEMONSTRATIONS[config.sft_demonstrations]
     failures: dict[str, str] = {}
@@ -74,15 +75,17 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
                                             tag=f"renamed{copy}") for reference in references.values()]
     samples, stats = walkthrough_samples(demonstrations, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
                                          benchmark=config.benchmark, thinking=config.sft_thinking)
-    for extra in range(1, config.sft_take_copies + 1):
-        copy = config.sft_renamed_copies + extra          # renamings none of the whole copies used
-        renamed = [rename_reference(reference, random_renaming(reference, seed=config.seed, copy=copy),
-                                    tag=f"renamed{copy}") for reference in references.values()]
-        more, more_stats = walkthrough_samples(renamed, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
-                                               benchmark=config.benchmark, thinking=config.sft_thinking,
-                                               verbs={"take"})
-        samples += more
-        stats = stats.merged(more_stats)
+    copy = config.sft_renamed_copies                     # each further copy gets a renaming no copy before used
+    for focus, copies in (("take", config.sft_take_copies), ("arrival", config.sft_arrival_copies)):
+        for _ in range(copies):
+            copy += 1
+            renamed = [rename_reference(reference, random_renaming(reference, seed=config.seed, copy=copy),
+                                        tag=f"renamed{copy}") for reference in references.values()]
+            more, more_stats = walkthrough_samples(renamed, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
+                                                   benchmark=config.benchmark, thinking=config.sft_thinking,
+                                                   keep=FOCUS_TURNS[focus])
+            samples += more
+            stats = stats.merged(more_stats)
     return SFTCorpus(samples, stats, list(tasks), references, failures)
 
 

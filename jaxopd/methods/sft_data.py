@@ -21,7 +21,7 @@ are zeros (nothing was sampled) and the policy version is 0.
 from __future__ import annotations
 
 import dataclasses
-from typing import Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -246,6 +246,21 @@ def walkthrough_turns(reference: ReferenceTrajectory, *, benchmark: str | None =
     return turns
 
 
+def is_take_turn(turn: WalkthroughTurn) -> bool:
+    """The demonstrated action takes an object: the goal object is in view (the thinking says "I see X here")."""
+    return turn.action.startswith("take ")
+
+
+def is_arrival_turn(turn: WalkthroughTurn) -> bool:
+    """The previous action went to or opened a receptacle: the observation has just listed what lies there, and the
+    answer decides whether the goal object is among it ("I see X here." and ``take``, or on to the next place)."""
+    return bool(turn.inputs.history) and turn.inputs.history[-1][1].startswith(("go to ", "open "))
+
+
+FOCUS_TURNS = {"take": is_take_turn, "arrival": is_arrival_turn}
+"""The turn selections SFT can oversample (``RunConfig.sft_take_copies`` / ``sft_arrival_copies``)."""
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Samples
 # ----------------------------------------------------------------------------------------------------------
@@ -304,7 +319,8 @@ def _reference_list(references: Mapping[str, ReferenceTrajectory] | Iterable[Ref
 
 def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable[ReferenceTrajectory], tokenizer,
                         *, max_prompt_tokens: int, benchmark: str = "alfworld", thinking: str = "none",
-                        verbs: Collection[str] | None = None) -> tuple[list[Sample], WalkthroughStats]:
+                        keep: Callable[[WalkthroughTurn], bool] | None = None
+                        ) -> tuple[list[Sample], WalkthroughStats]:
     """Every walkthrough turn of ``references`` as an SFT sample, and the counts.
 
     A sample's ids are the full-mode prompt, rendered by ``render_prompt`` under ``max_prompt_tokens`` exactly
@@ -316,8 +332,8 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
     A turn whose prompt does not fit even without history is skipped and counted in ``stats.skipped``.
 
     ``references``: a sequence of ``ReferenceTrajectory`` or a mapping of them (``load_references``); samples
-    come in that order, turns in order within a reference. ``verbs``: only the turns whose action's first word is
-    one of them (``{"take"}``); the others are not counted.
+    come in that order, turns in order within a reference. ``keep``: only the turns it accepts (``FOCUS_TURNS``);
+    the others are not counted.
     """
     if thinking not in SFT_THINKING:
         raise ValueError(f"unknown SFT thinking {thinking!r}; expected one of {SFT_THINKING}")
@@ -327,7 +343,7 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
     for reference in _reference_list(references):
         stats.references += 1
         for turn in walkthrough_turns(reference, benchmark=benchmark):
-            if verbs is not None and turn.action.split(" ", 1)[0] not in verbs:
+            if keep is not None and not keep(turn):
                 continue
             stats.turns += 1
             try:
