@@ -114,6 +114,37 @@ def test_free_answers_scored_by_hand(setup):
         score_free_answers(samples, answers[:2], tokenizer)
 
 
+def test_goal_in_view_said_and_claimed_by_hand(setup):
+    """``goal_in_view_said``: of the demonstrations saying "I see <goal> N here.", the answers saying it too (any
+    number); ``goal_in_view_claimed``: of the others, the answers saying it anyway. Another object in view (a lamp)
+    is not the goal."""
+    from jaxopd.methods.sft_data import in_view_sentence, says_in_view
+
+    tokenizer = setup[0]
+    demonstrated = [("I need a mug. " + in_view_sentence("mug 2"), "take mug 2 from shelf 1"),
+                    ("I need a mug. " + in_view_sentence("mug 1"), "take mug 1 from desk 1"),
+                    ("I need a mug. I am at desk 1.", "go to shelf 1"),
+                    ("I need a mug. I am at bed 1.", "go to desk 1"),
+                    ("I hold mug 1. I need a desklamp. I see desklamp 1 here.", "use desklamp 1")]
+    samples = []
+    for thinking, action in demonstrated:
+        ids = tokenizer.encode("Task: look at mug under the desklamp.")
+        response = tokenizer.encode(response_text(action, thinking)) + [tokenizer.eos_token_id]
+        samples.append(Sample(tokens=np.array(ids + response), loss_mask=np.array([False] * len(ids) + [True] *
+                                                                                 len(response)),
+                              behavior_logp=np.zeros(len(ids) + len(response), np.float32), policy_version=0))
+    answers = ["<think>\nI need a mug. I see mug 7 here.\n</think>\n\n<action>take mug 7 from shelf 1</action>",
+               "<think>\nI need a mug. I am at desk 1.\n</think>\n\n<action>go to bed 1</action>",
+               "<think>\nI need a mug. I see mug 3 here.\n</think>\n\n<action>take mug 3 from desk 1</action>",
+               "<think>\nI need a mug. I see cup 1 here.\n</think>\n\n<action>go to desk 1</action>",
+               "<think>\nI hold mug 1. I see mug 1 here.\n</think>\n\n<action>use desklamp 1</action>"]
+    scores = score_free_answers(samples, answers, tokenizer, goal_objects=["mug"] * 5)
+    assert scores["goal_in_view_turns"] == 2 and scores["goal_in_view_said"] == 0.5
+    assert scores["goal_in_view_claimed"] == pytest.approx(2 / 3)      # answers 3 and 5; "cup 1" is not a mug
+    assert says_in_view("I see mug 12 here.", "mug") and not says_in_view("I see mug here.", "mug")
+    assert not says_in_view("I see mugwort 1 here.", "mug") and not says_in_view(None, "mug")
+
+
 def test_free_running_answers_are_the_dense_greedy_decode(setup):
     from jaxopd.rollout.thinking import ThinkingBudget
     from jaxopd.sampler import Engine, EngineConfig

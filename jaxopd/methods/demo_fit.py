@@ -36,6 +36,7 @@ from flax import nnx
 
 from envs.alfworld_state import without_restated_instruction
 from jaxopd.methods.divergence import supervised_log_softmax
+from jaxopd.methods.sft_data import says_in_view
 from jaxopd.methods.transcripts import thinking_of
 from jaxopd.rollout.actions import extract_action
 from jaxopd.rollout.tags import ACTION_END, ACTION_START
@@ -152,7 +153,10 @@ def score_free_answers(samples: Sequence[Sample], answers: Sequence[str], tokeni
     parsable action); ``thinking_exact`` (the answer's thinking block equals the demonstration's, over the turns
     whose demonstration thinks); and with goal objects ``thinking_names_goal``: the share of answers whose thinking
     names the goal-object class (over the turns whose demonstrated thinking names it), a restated instruction not
-    counted (``envs.alfworld_state.without_restated_instruction``).
+    counted (``envs.alfworld_state.without_restated_instruction``); ``goal_in_view_said``: the share of the turns
+    whose demonstration says the goal object is in view ("I see apple 4 here.", ``sft_data.says_in_view``) where the
+    answer says so too (``goal_in_view_turns`` of them), and ``goal_in_view_claimed``: the share of the other turns
+    where the answer says so all the same (the agent perceiving a goal object that is not there).
     """
     if len(answers) != len(samples):
         raise ValueError(f"{len(answers)} answers for {len(samples)} samples")
@@ -161,6 +165,7 @@ def score_free_answers(samples: Sequence[Sample], answers: Sequence[str], tokeni
     if not samples:
         raise ValueError("score_free_answers needs at least one sample")
     exact = no_action = thinking_turns = thinking_exact = goal_turns = goal_named = 0
+    in_view_turns = in_view_said = in_view_claimed = 0
     by_verb: dict[str, list[int]] = {}
     for index, (sample, answer) in enumerate(zip(samples, answers)):
         _, demonstration = _prompt_and_demonstration(sample, tokenizer)
@@ -181,6 +186,11 @@ def score_free_answers(samples: Sequence[Sample], answers: Sequence[str], tokeni
         if _names(wanted_thinking, goal):
             goal_turns += 1
             goal_named += _names(got_thinking, goal)
+        if says_in_view(wanted_thinking, goal):
+            in_view_turns += 1
+            in_view_said += says_in_view(got_thinking, goal)
+        else:
+            in_view_claimed += says_in_view(got_thinking, goal)
     turns = len(samples)
     result: dict[str, Any] = {
         "turns": turns, "action_exact": exact / turns, "no_action": no_action / turns,
@@ -188,7 +198,11 @@ def score_free_answers(samples: Sequence[Sample], answers: Sequence[str], tokeni
         "thinking_turns": thinking_turns,
         "thinking_exact": thinking_exact / thinking_turns if thinking_turns else None}
     if goal_objects is not None:
-        result.update(goal_turns=goal_turns, thinking_names_goal=goal_named / goal_turns if goal_turns else None)
+        result.update(goal_turns=goal_turns, thinking_names_goal=goal_named / goal_turns if goal_turns else None,
+                      goal_in_view_turns=in_view_turns,
+                      goal_in_view_said=in_view_said / in_view_turns if in_view_turns else None,
+                      goal_in_view_claimed=(in_view_claimed / (turns - in_view_turns)
+                                            if turns > in_view_turns else None))
     return result
 
 

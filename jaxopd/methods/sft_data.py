@@ -21,6 +21,7 @@ are zeros (nothing was sampled) and the policy version is 0.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -87,12 +88,23 @@ def state_text(state: TaskState) -> str:
     if state.held:
         parts.append(f"I hold {state.held}" + (f", now {goal.change}." if state.changed else "."))
         if state.lamps_in_view:
-            parts.append(f"I see {state.lamps_in_view[0]} here.")
+            parts.append(in_view_sentence(state.lamps_in_view[0]))
     else:
         parts.append(f"I need a {goal.obj}.")
         if state.in_view:
-            parts.append(f"I see {state.in_view[0]} here.")
+            parts.append(in_view_sentence(state.in_view[0]))
     return " ".join(parts)
+
+
+def in_view_sentence(name: str) -> str:
+    """The thinking rules' sentence for an object in view: ``"I see apple 4 here."``."""
+    return f"I see {name} here."
+
+
+def says_in_view(thinking: str | None, object_class: str | None) -> bool:
+    """Whether ``thinking`` says (:func:`in_view_sentence`) that an object of ``object_class`` is in view."""
+    return bool(thinking and object_class
+                and re.search(rf"\bI see {re.escape(object_class)} \d+ here\.", thinking))
 
 
 def plan_text(state: TaskState) -> str:
@@ -111,11 +123,11 @@ def plan_text(state: TaskState) -> str:
     if state.held is None:
         parts.append(f"I need a {goal.obj}.")
         if state.in_view:
-            parts.append(f"I see {state.in_view[0]} here.")
+            parts.append(in_view_sentence(state.in_view[0]))
     elif goal.toggle is not None:
         parts.append(f"I hold {state.held}. I need a {goal.toggle}.")
         if state.lamps_in_view:
-            parts.append(f"I see {state.lamps_in_view[0]} here.")
+            parts.append(in_view_sentence(state.lamps_in_view[0]))
     elif goal.tool is not None and not state.changed:
         verb, tool = goal.tool
         parts.append(f"I hold {state.held}. I must {verb} it with a {tool}.")
