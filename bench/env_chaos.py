@@ -295,7 +295,7 @@ class ChaosMonkey:
         self.jvm_restarts = 0
         self.abandoned_calls = 0          # calls the pool timed out (the environment was closed during them)
         self.late_results = 0             # abandoned calls that ended later (ignored, as the pool ignores them)
-        self.armed: list[str] = []        # ALFWorld faults armed: the next ALFWorld step of any environment runs one
+        self.armed: str | None = None     # the ALFWorld fault armed: the next ALFWorld step of any environment runs it
         self.armed_unused = 0             # still armed when the chaos stopped (no ALFWorld step came after)
         self.skipped = 0                  # moments with no eligible target
         self.jvm_peak = 0
@@ -335,7 +335,8 @@ class ChaosMonkey:
         in episode when it was armed: that one may be at its turn cap and play only ScienceWorld tasks after it
         (a hang armed so never happened, and CI's chaos run counted no hang)."""
         with self._lock:
-            return self.armed.pop(0) if self.armed else None
+            fault, self.armed = self.armed, None
+            return fault
 
     def note_error(self, env: ChaosEnv, error: BaseException) -> None:
         if env.closed or isinstance(error, _LateHang):
@@ -390,8 +391,8 @@ class ChaosMonkey:
         if self._thread is not None:
             self._thread.join()
         with self._lock:
-            self.armed_unused += len(self.armed)
-            self.armed.clear()
+            self.armed_unused += self.armed is not None
+            self.armed = None
 
     def injected(self) -> dict[str, int]:
         counts = collections.Counter(fault.kind for fault in self.faults)
@@ -427,7 +428,7 @@ class ChaosMonkey:
 
     def _hangs_used(self) -> int:
         with self._lock:
-            return sum(f.kind == "hang" for f in self.faults) + self.armed.count("hang")
+            return sum(f.kind == "hang" for f in self.faults) + (self.armed == "hang")
 
     def _inject(self, kind: str) -> bool:
         with self._lock:
@@ -456,9 +457,9 @@ class ChaosMonkey:
             return False
         fault = kind if kind == "hang" else self.rng.choice(("alfworld_raise_before", "alfworld_raise_after"))
         with self._lock:
-            if self.armed:
+            if self.armed is not None:
                 return False
-            self.armed.append(fault)
+            self.armed = fault
         return True
 
 

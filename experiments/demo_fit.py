@@ -83,17 +83,14 @@ def run(args, argv) -> int:
         samples += ref_samples
         goals += [goal.obj if goal else None] * len(ref_samples)
     rows, free, answers = {}, {}, {}
-    teacher = None
-    if args.teacher is not None:
-        from flax import nnx
-        teacher = nnx.split(load_qwen3(args.teacher), nnx.Param)
+    from flax import nnx
+
+    from jaxopd.methods.divergence import exact_reverse_kl
+    teacher = None if args.teacher is None else nnx.split(load_qwen3(args.teacher), nnx.Param)
     for folder in args.model:
         model = load_qwen3(folder)
         rows[folder] = demonstration_fit(model, samples, tokenizer, goal_objects=goals)
         if teacher is not None:
-            from flax import nnx
-
-            from jaxopd.methods.divergence import exact_reverse_kl
             rows[folder]["exact_reverse_kl"] = exact_reverse_kl(nnx.split(model, nnx.Param), teacher, samples,
                                                                 temperature=args.kl_temperature)
         print(f"{folder}: {json.dumps(rows[folder])}", flush=True)

@@ -70,18 +70,19 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
         raise ValueError(f"no {config.sft_demonstrations} demonstration of the {len(tasks)} training games "
                          f"succeeded (first reason: {next(iter(failures.values()), '?')})")
     demonstrations = list(references.values())
+    def renamed(copy: int) -> list:
+        return [rename_reference(reference, random_renaming(reference, seed=config.seed, copy=copy),
+                                 tag=f"renamed{copy}") for reference in references.values()]
+
     for copy in range(1, config.sft_renamed_copies + 1):
-        demonstrations += [rename_reference(reference, random_renaming(reference, seed=config.seed, copy=copy),
-                                            tag=f"renamed{copy}") for reference in references.values()]
+        demonstrations += renamed(copy)
     samples, stats = walkthrough_samples(demonstrations, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
                                          benchmark=config.benchmark, thinking=config.sft_thinking)
     copy = config.sft_renamed_copies                     # each further copy gets a renaming no copy before used
     for focus, copies in (("take", config.sft_take_copies), ("arrival", config.sft_arrival_copies)):
         for _ in range(copies):
             copy += 1
-            renamed = [rename_reference(reference, random_renaming(reference, seed=config.seed, copy=copy),
-                                        tag=f"renamed{copy}") for reference in references.values()]
-            more, more_stats = walkthrough_samples(renamed, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
+            more, more_stats = walkthrough_samples(renamed(copy), tokenizer, max_prompt_tokens=config.max_prompt_tokens,
                                                    benchmark=config.benchmark, thinking=config.sft_thinking,
                                                    keep=FOCUS_TURNS[focus])
             samples += more
