@@ -14,9 +14,11 @@ The faults, at seeded random moments from a chaos thread (exponential gaps, ``--
 ``jvm_kill``: SIGKILL of the JVM of a ScienceWorld environment that is in an episode (checked to be a java child
 of this process); ``ScienceWorldEnv`` restarts it and replays the episode. ``alfworld_raise``: armed at a moment an
 ALFWorld episode is under way, the next ALFWorld step of any environment raises ``RuntimeError``, before or after
-the engine executed it; the pool discards the environment, rebuilds it and replays the episode. ``hang``: one
-ALFWorld step, armed the same way, sleeps past the pool's ``call_timeout_s``; the pool abandons it, rebuilds and
-replays.
+the engine executed it; the pool discards the environment, rebuilds it and replays the episode; besides, one raise
+is scheduled at a seeded ALFWorld step (counted over all environments) in case the thread found no moment for one.
+``hang``: the ALFWorld step of a seeded number (counted the same way) sleeps past the pool's ``call_timeout_s``; the
+pool abandons it, rebuilds and replays. The scheduled faults do not depend on how fast the machine plays: on CI's
+machine a hang armed by the thread at a moment met no ALFWorld step after it, twice.
 
 What it checks (``ChaosReport.checks``): exactly one outcome per task, in task order, none duplicated; every
 completed trajectory equal to a fault-free run of the same task and seed (same actions, responses, end reason,
@@ -67,7 +69,7 @@ __all__ = ["FAULT_KINDS", "ChaosEnv", "ChaosMonkey", "ChaosReport", "ScriptedAge
            "chaos_tasks", "compare_trajectories", "java_children", "run_env_chaos", "main"]
 
 FAULT_KINDS = ("jvm_kill", "alfworld_raise", "hang")
-DEFAULT_WEIGHTS = {"jvm_kill": 0.5, "alfworld_raise": 0.5}      # hangs: ``max_hangs`` at seeded moments
+DEFAULT_WEIGHTS = {"jvm_kill": 0.5, "alfworld_raise": 0.5}      # the hang: at a seeded ALFWorld step
 SCIENCEWORLD_TYPES = ("boil", "melt", "freeze", "change-the-state-of-matter-of", "find-living-thing",
                       "find-non-living-thing", "find-plant", "find-animal")
 _ROOMS = ("art studio", "bathroom", "bedroom", "foundry", "greenhouse", "hallway", "kitchen", "living room",
@@ -276,15 +278,20 @@ class ChaosMonkey:
     and keeps the accounts: faults injected per kind, the faults and errors each task met, JVM kills noticed."""
 
     def __init__(self, seed: int, *, mean_gap_s: float = 3.0, weights: dict[str, float] | None = None,
-                 hang_s: float | None = None, max_hangs: int = 1, hang_window_s: tuple[float, float] = (5.0, 20.0),
-                 min_per_kind: int = 2):
+                 hang_s: float | None = None, hang_steps: tuple[int, int] = (4, 16),
+                 raise_steps: tuple[int, int] = (20, 40), min_per_kind: int = 2):
         self.rng = random.Random(seed)
         self.min_per_kind = min_per_kind
         self.mean_gap_s = mean_gap_s
         self.weights = dict(weights or DEFAULT_WEIGHTS)
         self.hang_s = hang_s
-        self.hang_due_s = self.rng.uniform(*hang_window_s)    # hangs come at the first chance after this moment
-        self.max_hangs = max_hangs
+        # scheduled by ALFWorld step number (over all environments, replays included), whatever the machine's speed:
+        # the hang (when ``hang_s`` is set), and one raise unless the thread armed one before
+        self.hang_at_step = self.rng.randint(*hang_steps)
+        self.raise_at_step = self.rng.randint(*raise_steps)
+        self.alfworld_steps = 0           # ALFWorld steps begun under the chaos
+        self.hang_taken = False
+        self.raise_taken = False          # an ALFWorld step took a raise (the scheduled one is then not needed)
         self.envs: list[ChaosEnv] = []
         self.faults: list[Fault] = []
         self.events: list[tuple] = []     # (seconds, env, what, ...): errors, restarts, closes, for the record
@@ -329,13 +336,20 @@ class ChaosMonkey:
         raise _InjectedFault(f"chaos: injected ALFWorld step fault ({when} the engine step)")
 
     def take_armed(self) -> str | None:
-        """The armed fault an ALFWorld step is about to run, if any (each runs once).
+        """The fault an ALFWorld step is about to run, if any (each runs once): the scheduled hang or raise when
+        this step has its number, else the fault the thread armed.
 
         Armed faults wait for the next ALFWorld step of whichever environment takes one, not of the environment
-        in episode when it was armed: that one may be at its turn cap and play only ScienceWorld tasks after it
-        (a hang armed so never happened, and CI's chaos run counted no hang)."""
+        in episode when it was armed: that one may be at its turn cap and play only ScienceWorld tasks after it."""
         with self._lock:
+            self.alfworld_steps += 1
+            if self.hang_s is not None and not self.hang_taken and self.alfworld_steps >= self.hang_at_step:
+                self.hang_taken = True
+                return "hang"
+            if self.armed is None and not self.raise_taken and self.alfworld_steps >= self.raise_at_step:
+                self.armed = self.rng.choice(("alfworld_raise_before", "alfworld_raise_after"))
             fault, self.armed = self.armed, None
+            self.raise_taken |= fault is not None
             return fault
 
     def note_error(self, env: ChaosEnv, error: BaseException) -> None:
@@ -401,16 +415,13 @@ class ChaosMonkey:
     def _run(self) -> None:
         while not self._stop.wait(self.rng.expovariate(1.0 / self.mean_gap_s)):
             self.jvm_peak = max(self.jvm_peak, sum(c["status"] != "zombie" for c in java_children()))
-            if self.hang_s is not None and self._hangs_used() < self.max_hangs and self._elapsed() >= self.hang_due_s:
-                order = ["hang"]
-            else:
-                # a kind injected fewer than ``min_per_kind`` times goes first (at a moment where it has a target),
-                # so every kind happens however fast the machine plays the episodes; then the weighted draw
-                kinds = list(self.weights)
-                injected = self.injected()
-                behind = [k for k in kinds if injected.get(k, 0) < self.min_per_kind]
-                self.rng.shuffle(behind)
-                order = behind + [self.rng.choices(kinds, [self.weights[k] for k in kinds])[0]]
+            # a kind injected fewer than ``min_per_kind`` times goes first (at a moment where it has a target),
+            # so every kind happens however fast the machine plays the episodes; then the weighted draw
+            kinds = list(self.weights)
+            injected = self.injected()
+            behind = [k for k in kinds if injected.get(k, 0) < self.min_per_kind]
+            self.rng.shuffle(behind)
+            order = behind + [self.rng.choices(kinds, [self.weights[k] for k in kinds])[0]]
             done = False
             for kind in order:
                 try:
@@ -425,10 +436,6 @@ class ChaosMonkey:
 
     def _elapsed(self) -> float:
         return time.perf_counter() - self._start
-
-    def _hangs_used(self) -> int:
-        with self._lock:
-            return sum(f.kind == "hang" for f in self.faults) + (self.armed == "hang")
 
     def _inject(self, kind: str) -> bool:
         with self._lock:
@@ -455,7 +462,7 @@ class ChaosMonkey:
         # one at a time, and runs in the next ALFWorld step of any environment
         if not any(not env.closed and env.in_episode and env.current == "alfworld" for env in envs):
             return False
-        fault = kind if kind == "hang" else self.rng.choice(("alfworld_raise_before", "alfworld_raise_after"))
+        fault = self.rng.choice(("alfworld_raise_before", "alfworld_raise_after"))
         with self._lock:
             if self.armed is not None:
                 return False
