@@ -4,7 +4,8 @@ Owns :class:`Goal` (task type and the object, receptacle and lamp classes of an 
 alfworld wheel's own goal templates (``alfworld.gen.goal_library``, the text the games' instructions were
 written from), and :func:`task_state`, the state an agent knows from the instruction, its executed actions with
 the engine's answers, and the current observation: the goal object it holds, whether that object is now clean,
-hot or cool, how many goal objects it has put in place, the goal objects (and lamps) in view, and where it is; and
+hot or cool, how many goal objects it has put in place, the goal objects (and lamps) in view, where it is, and the
+object classes the engine just listed at an arrival or an opening (:func:`objects_listed`); and
 ``CHANGE_TOOLS``, the command verb and receptacle class that clean, heat or cool an object. Everything is read
 from text the agent was shown; nothing comes from the game's hidden state. ``jaxopd.methods.sft_data``
 writes it into the thinking of SFT demonstrations.
@@ -20,7 +21,7 @@ from envs.alfworld_engine import TASK_TYPES
 
 __all__ = ["ALFWORLD_GOAL_TYPES", "CHANGE_TOOLS", "INSTRUCTION_PREFIX", "Goal", "parse_goal",
            "without_restated_instruction", "goal_of_task_id", "TaskState", "task_state",
-           "objects_in_view"]
+           "objects_in_view", "objects_listed"]
 
 ALFWORLD_GOAL_TYPES = TASK_TYPES
 """The six task types of ALFWorld's games (``alfworld.gen.goal_library`` keys; owned by ``envs.alfworld_engine``)."""
@@ -33,6 +34,8 @@ _PUT = re.compile(r"^you (?:move|put) the (?P<name>[a-z]+ \d+) (?:to|in|on) the 
 _ARRIVED = re.compile(r"^you arrive at (?P<name>[a-z]+ \d+)\.")
 _OPENED = re.compile(r"^you open the (?P<name>[a-z]+ \d+)\.")
 _CLOSED = re.compile(r"^you close the (?P<name>[a-z]+ \d+)\.")
+# what the engine lists on arriving at, or opening, a receptacle: "on the countertop 1, you see a apple 1, ..."
+_LISTING = re.compile(r"^you (?:arrive at|open the) [a-z]+ \d+\..*?you see (?P<items>[^.]*)\.")
 _CHANGED = {"clean": re.compile(r"^you clean the (?P<name>[a-z]+ \d+) using "),
             "hot": re.compile(r"^you heat the (?P<name>[a-z]+ \d+) using "),
             "cool": re.compile(r"^you cool the (?P<name>[a-z]+ \d+) using ")}
@@ -136,6 +139,16 @@ def objects_in_view(observation: str, object_class: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def objects_listed(observation: str) -> tuple[str, ...] | None:
+    """The object classes an arrival or an opening lists, in order, each once (``("apple", "cup")`` for "You arrive
+    at countertop 1. On the countertop 1, you see a apple 1, a cup 2, and a apple 3."; ``()`` for "... you see
+    nothing."); None for any other observation (a closed receptacle, the room's description, a take)."""
+    listing = _LISTING.match(" ".join(observation.lower().split()))
+    if listing is None:
+        return None
+    return tuple(dict.fromkeys(re.findall(r"\b([a-z]+) \d+\b", listing.group("items"))))
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskState:
     """What the agent knows at a turn: ``held`` (the goal object in hand, e.g. ``"apple 4"``, or None),
@@ -144,7 +157,8 @@ class TaskState:
     held and the placed ones) and
     ``lamps_in_view`` (look tasks: the lamps it names); ``location`` (the receptacle of the last ``go to`` the
     engine answered with an arrival, None before) and ``location_closed`` (the engine said it is closed, and it
-    was not opened since)."""
+    was not opened since); ``listed`` (the object classes the current observation lists at an arrival or an
+    opening, :func:`objects_listed`; None when it lists none)."""
 
     goal: Goal
     held: str | None
@@ -154,6 +168,7 @@ class TaskState:
     lamps_in_view: tuple[str, ...] = ()
     location: str | None = None
     location_closed: bool = False
+    listed: tuple[str, ...] | None = None
 
 
 def task_state(goal: Goal, actions: Sequence[str], answers: Sequence[str], observation: str) -> TaskState:
@@ -197,4 +212,5 @@ def task_state(goal: Goal, actions: Sequence[str], answers: Sequence[str], obser
     return TaskState(goal=goal, held=held, changed=held is not None and held in changed_objects, placed=len(placed),
                      in_view=tuple(name for name in objects_in_view(observation, goal.obj)
                                    if name != held and name not in placed),
-                     lamps_in_view=lamps, location=location, location_closed=closed)
+                     lamps_in_view=lamps, location=location, location_closed=closed,
+                     listed=objects_listed(observation))

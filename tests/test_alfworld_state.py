@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from envs.alfworld_state import ALFWORLD_GOAL_TYPES, Goal, objects_in_view, parse_goal, task_state
+from envs.alfworld_state import ALFWORLD_GOAL_TYPES, Goal, objects_in_view, objects_listed, parse_goal, task_state
 
 pytest.importorskip("alfworld")
 
@@ -47,6 +47,23 @@ def test_objects_in_view():
     text = "On the countertop 1, you see a apple 4, a pineapple 1, a apple 11, and a apple 4."
     assert objects_in_view(text, "apple") == ["apple 4", "apple 11"]
     assert objects_in_view("You arrive at drawer 1. The drawer 1 is closed.", "apple") == []
+
+
+def test_objects_listed():
+    """The classes an arrival or an opening lists, in order and each once; spacing and case do not matter; other
+    observations (a take, a closed receptacle, the room's description) list nothing (None), an empty one ()."""
+    assert objects_listed("You arrive at countertop 1. On the countertop 1, you see a apple 4, a pineapple 1, a "
+                          "apple 11, and a cup 2.") == ("apple", "pineapple", "cup")
+    assert objects_listed("You open the Drawer 1.  The drawer 1 is open. In it, you see a pen 1,\nand a pen 2.") \
+        == ("pen",)
+    assert objects_listed("You open the drawer 1. The drawer 1 is open. In it, you see nothing.") == ()
+    assert objects_listed("You pick up the mug 2 from the countertop 1.") is None
+    assert objects_listed("You arrive at drawer 1. The drawer 1 is closed.") is None
+    assert objects_listed("You are in the middle of a room. Looking quickly around you, you see a cabinet 1.") is None
+    goal = parse_goal("Your task is to: put some keychain on dresser.")
+    answers = ["You arrive at desk 1. On the desk 1, you see a pen 1, and a book 2."]
+    assert task_state(goal, ["go to desk 1"], answers, answers[0]).listed == ("pen", "book")
+    assert task_state(goal, [], [], "You are in the middle of a room.").listed is None
 
 
 def test_task_state_through_a_cool_task():

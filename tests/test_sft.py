@@ -592,6 +592,33 @@ def test_task_plan_here_thinking_by_hand():
     assert Goal("pick_and_place_simple", "mug", "desk", instruction="x") == Goal("pick_and_place_simple", "mug", "desk")
 
 
+def test_task_list_plan_here_thinking_by_hand():
+    """Task-list-plan-here thinking: the task-plan-here words with the classes an arrival or an opening just listed
+    (in order, each once; "nothing" for an empty one) after the instruction, and nothing more in other states."""
+    pytest.importorskip("alfworld")
+    from jaxopd.methods.sft_data import thinking_text
+
+    cool = "Your task is to: cool some mug and put it in cabinet."
+    assert thinking_text(_inputs(cool, [], "You are in the middle of a room. Looking quickly around you, you see a "
+                                           "cabinet 1, a fridge 1."), "task-list-plan-here") == cool + " I need a mug."
+    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a apple 3, a mug 2, "
+                                   "a apple 1, and a knife 1.")]
+    assert thinking_text(_inputs(cool, seen, ""), "task-list-plan-here") == (
+        cool + " Here: apple, mug, knife. I need a mug. I see mug 2 here. I am at countertop 1.")
+    other = [("go to countertop 2", "You arrive at countertop 2. On the countertop 2, you see a apple 2.")]
+    assert thinking_text(_inputs(cool, other, ""), "task-list-plan-here") == (
+        cool + " Here: apple. I need a mug. I am at countertop 2.")
+    closed = [("go to cabinet 2", "You arrive at cabinet 2. The cabinet 2 is closed.")]
+    assert thinking_text(_inputs(cool, closed, ""), "task-list-plan-here") == (
+        cool + " I need a mug. I am at cabinet 2. It is closed.")
+    opened = closed + [("open cabinet 2", "You open the cabinet 2. The cabinet 2 is open. In it, you see nothing.")]
+    assert thinking_text(_inputs(cool, opened, ""), "task-list-plan-here") == (
+        cool + " Here: nothing. I need a mug. I am at cabinet 2.")
+    held = seen + [("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1.")]
+    assert thinking_text(_inputs(cool, held, ""), "task-list-plan-here") == (
+        cool + " I hold mug 2. I must cool it with a fridge. I am at countertop 1.")
+
+
 def test_walkthrough_samples_with_state_thinking(alfworld, tok):
     from jaxopd.methods.sft_data import state_thinking
     _, _, reference = alfworld

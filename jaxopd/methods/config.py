@@ -19,13 +19,15 @@ METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallbac
            "actfirst-prefix-replay-100", "sti", "actionopd", "sft")
 PRESETS = ("cpu", "gpu", "paper")
 ROLLOUT_MODES = ("async", "sync")
-SFT_THINKING = ("none", "state", "plan", "plan-here", "task-plan-here")
+SFT_THINKING = ("none", "state", "plan", "plan-here", "task-plan-here", "task-list-plan-here")
 """What an SFT demonstration thinks before its action: ``none`` (Qwen3's empty thinking block), ``state`` (ALFWorld:
 a short reasoning over what the prompt shows, ``jaxopd.methods.sft_data.state_thinking``) or ``plan`` (ALFWorld: that
 state and the step it calls for, the tool or the destination, ``jaxopd.methods.sft_data.plan_text``) or
 ``plan-here`` (ALFWorld: the plan and where the agent is, ``jaxopd.methods.sft_data.plan_here_text``) or
 ``task-plan-here`` (ALFWorld: the instruction restated word for word, then the plan-here words, and the tool's command
-when the agent stands at the tool, ``jaxopd.methods.sft_data.task_plan_here_text``)."""
+when the agent stands at the tool, ``jaxopd.methods.sft_data.task_plan_here_text``) or ``task-list-plan-here`` (the
+same, with the object classes an arrival or an opening just listed copied after the instruction,
+``jaxopd.methods.sft_data.task_list_plan_here_text``)."""
 SFT_DEMONSTRATIONS = {"walkthrough": "solution", "searching-expert": "searching_expert"}
 """What SFT imitates, each with the ``envs.references`` kind of its references: the planner's walkthrough (it knows
 where everything lies; ScienceWorld's gold path), or ALFWorld's searching expert (``envs.alfworld_expert``: it looks
