@@ -31,11 +31,13 @@ from envs.checks import normalize_action
 
 __all__ = ["BENCHMARK", "TASK_TYPES", "ALFWORLD_SPLITS", "GAME_FILE", "TRAJ_FILE", "INDEX_FILE", "DATA_SUBDIR",
            "AlfredEngine", "admissible_actions", "NoGamesError", "GameRecord", "AlfWorldEnv", "split_intro",
-           "data_dir_of", "discover_games", "official_data_root", "read_walkthrough"]
+           "data_dir_of", "discover_games", "official_data_root", "read_walkthrough", "REFUSED_FEEDBACK"]
 
 _BANNER = "-= Welcome to TextWorld, ALFRED! =-"
 _TASK_LINE = re.compile(r"^\s*(Your task is to:.*?)\s*$", re.MULTILINE)
-_INVALID_FEEDBACK = "Nothing happens."
+REFUSED_FEEDBACK = "Nothing happens."
+"""The engine's answer to a command it does not execute (alfworld 0.4), and ``AlfWorldEnv``'s to one outside the
+admissible set."""
 
 
 class NoGamesError(ValueError):
@@ -264,10 +266,10 @@ class AlfWorldEnv(TextEnv):
         command = self._admissible_by_norm.get(normalize_action(action))
         self._turn += 1
         if command is None:
-            obs = Observation(text=_INVALID_FEEDBACK, instruction=self._instruction,
+            obs = Observation(text=REFUSED_FEEDBACK, instruction=self._instruction,
                               admissible_actions=self._admissible, done=False, won=False, score=0.0,
                               reward=0.0, turn=self._turn, last_action_valid=False,
-                              info=self._info(raw=_INVALID_FEEDBACK, state=None))
+                              info=self._info(raw=REFUSED_FEEDBACK, state=None))
             return self._truncate(obs)
         state, _, _ = self._engine.step(command)
         self._won = bool(state["won"])

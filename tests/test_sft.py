@@ -619,6 +619,75 @@ def test_task_list_plan_here_thinking_by_hand():
         cool + " I hold mug 2. I must cool it with a fridge. I am at countertop 1.")
 
 
+def test_task_list_act_here_thinking_by_hand():
+    """Task-list-act-here thinking: the task-list-plan-here words, the last listed goal object named (the one the
+    searching expert takes), and the command to give here as the last sentence: take, cool (through a closed door),
+    move, use; none for a go, an open, or a closed receptacle."""
+    pytest.importorskip("alfworld")
+    from jaxopd.methods.sft_data import thinking_text
+
+    cool = "Your task is to: cool some mug and put it in cabinet."
+    act = "task-list-act-here"
+    assert thinking_text(_inputs(cool, [], "You are in the middle of a room."), act) == cool + " I need a mug."
+    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 3, a apple 1, "
+                                   "and a mug 2.")]
+    assert thinking_text(_inputs(cool, seen, ""), act) == (
+        cool + " Here: mug, apple. I need a mug. I see mug 2 here. I am at countertop 1. "
+               "I can take mug 2 from countertop 1.")
+    closed = [("go to cabinet 2", "You arrive at cabinet 2. The cabinet 2 is closed.")]
+    assert thinking_text(_inputs(cool, closed, ""), act) == cool + " I need a mug. I am at cabinet 2. It is closed."
+    held = seen + [("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1.")]
+    assert thinking_text(_inputs(cool, held, ""), act) == (
+        cool + " I hold mug 2. I must cool it with a fridge. I am at countertop 1.")
+    fridge = held + [("go to fridge 1", "You arrive at fridge 1. The fridge 1 is closed.")]
+    assert thinking_text(_inputs(cool, fridge, ""), act) == (
+        cool + " I hold mug 2. I must cool it with a fridge. I am at fridge 1. It is closed. "
+               "I can cool mug 2 with fridge 1.")
+    cooled = fridge + [("cool mug 2 with fridge 1", "You cool the mug 2 using the fridge 1.")]
+    assert thinking_text(_inputs(cool, cooled, ""), act) == (
+        cool + " I hold mug 2, now cool. It goes in cabinet. I am at fridge 1. It is closed.")
+    cabinet = cooled + [("go to cabinet 1", "You arrive at cabinet 1. The cabinet 1 is closed.")]
+    assert thinking_text(_inputs(cool, cabinet, ""), act).endswith("I am at cabinet 1. It is closed.")
+    opened = cabinet + [("open cabinet 1", "You open the cabinet 1. The cabinet 1 is open. In it, you see nothing.")]
+    assert thinking_text(_inputs(cool, opened, ""), act) == (
+        cool + " Here: nothing. I hold mug 2, now cool. It goes in cabinet. I am at cabinet 1. "
+               "I can move mug 2 to cabinet 1.")
+    look = "Your task is to: examine the cd with the desklamp."
+    lamp = [("go to desk 1", "You arrive at desk 1. On the desk 1, you see a cd 1, and a desklamp 1."),
+            ("take cd 1 from desk 1", "You pick up the cd 1 from the desk 1."),
+            ("go to sidetable 1", "You arrive at sidetable 1. On the sidetable 1, you see a desklamp 2.")]
+    assert thinking_text(_inputs(look, lamp, ""), act) == (
+        look + " Here: desklamp. I hold cd 1. I need a desklamp. I see desklamp 2 here. I am at sidetable 1. "
+               "I can use desklamp 2.")
+
+
+def test_refused_turn_by_hand():
+    """A refused-command turn: the history gains (o_t, go to <here>), the observation is the refusal, the action
+    stays; none before the first arrival, nor where the refusal hides what the command needs (an object in view)."""
+    pytest.importorskip("alfworld")
+    from envs.alfworld import REFUSED_FEEDBACK
+    from jaxopd.methods.sft_data import WalkthroughTurn, refused_turn, thinking_text
+
+    cool = "Your task is to: cool some mug and put it in cabinet."
+    start = WalkthroughTurn("t", 1, _inputs(cool, [], "You are in the middle of a room."), "go to countertop 1")
+    assert refused_turn(start) is None
+    other = [("go to countertop 2", "You arrive at countertop 2. On the countertop 2, you see a apple 2.")]
+    turn = WalkthroughTurn("t", 2, _inputs(cool, other, ""), "go to cabinet 1")
+    refused = refused_turn(turn)
+    assert refused.action == "go to cabinet 1" and (refused.task_id, refused.turn) == ("t", 2)
+    assert refused.inputs.observation == REFUSED_FEEDBACK == "Nothing happens."
+    assert refused.inputs.history == turn.inputs.history + ((turn.inputs.observation, "go to countertop 2"),)
+    assert refused.inputs.admissible_actions == turn.inputs.admissible_actions
+    assert thinking_text(refused.inputs, "task-list-act-here") == cool + " I need a mug. I am at countertop 2."
+    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2.")]
+    assert refused_turn(WalkthroughTurn("t", 2, _inputs(cool, seen, ""), "take mug 2 from countertop 1")) is None
+    fridge = seen + [("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1."),
+                     ("go to fridge 1", "You arrive at fridge 1. The fridge 1 is closed.")]
+    at_fridge = refused_turn(WalkthroughTurn("t", 4, _inputs(cool, fridge, ""), "cool mug 2 with fridge 1"))
+    assert thinking_text(at_fridge.inputs, "task-list-act-here").endswith(
+        "I am at fridge 1. It is closed. I can cool mug 2 with fridge 1.")
+
+
 def test_walkthrough_samples_with_state_thinking(alfworld, tok):
     from jaxopd.methods.sft_data import state_thinking
     _, _, reference = alfworld

@@ -162,6 +162,40 @@ def test_take_copies_add_renamed_copies_of_the_take_turns_only(source):
         build_config("sft", preset="cpu", sft_take_copies=-1)
 
 
+def test_refused_copies_add_the_turns_after_a_refused_go_to(source):
+    """``sft_refused_copies=1``: after the corpus, one renamed copy of each turn ``refused_turn`` keeps, its prompt
+    ending on the refused ``go to`` and "Nothing happens.", its action the demonstrated one; and the engine does answer
+    a ``go to`` the receptacle the agent stands at with that refusal."""
+    from envs.alfworld import REFUSED_FEEDBACK
+    from jaxopd.methods.sft import sft_corpus
+    from jaxopd.methods.sft_data import refused_turn, walkthrough_turns
+
+    tokenizer = Qwen3Tokenizer()
+    base = sft_corpus(build_config("sft", preset="cpu", sft_thinking="task-list-act-here"), source, tokenizer,
+                      progress=False)
+    more = sft_corpus(build_config("sft", preset="cpu", sft_thinking="task-list-act-here", sft_refused_copies=1),
+                      source, tokenizer, progress=False)
+    turns = [t for r in base.references.values() for t in walkthrough_turns(r)]
+    kept = [refused_turn(t) for t in turns]
+    assert 0 < sum(k is not None for k in kept) < len(turns)
+    assert len(more.samples) == len(base.samples) + sum(k is not None for k in kept)
+    assert [s.tokens.tolist() for s in more.samples[:len(base.samples)]] == [s.tokens.tolist() for s in base.samples]
+    for sample in more.samples[len(base.samples):]:
+        text = tokenizer.decode(sample.tokens.tolist())
+        prompt = text[:text.rindex("<think>")]
+        assert f"{REFUSED_FEEDBACK}" in prompt[prompt.rindex("action] go to "):]
+    # the engine's answer to a go to where the agent stands
+    reference = next(iter(base.references.values()))
+    with source.env_factory() as env:
+        task = next(t for t in base.tasks if t.task_id == reference.task_id)
+        env.reset(task)
+        first = reference.actions[0]
+        assert first.startswith("go to ") and env.step(first).text.startswith("You arrive at")
+        assert env.step(first).text == REFUSED_FEEDBACK
+    with pytest.raises(ValueError, match="sft_refused_copies 0"):
+        build_config("sft", preset="cpu", benchmark="scienceworld", sft_refused_copies=1)
+
+
 @pytest.mark.slow
 def test_export_at_writes_the_model_of_an_earlier_step_under_a_cosine_schedule(source, tmp_path):
     """``--export-at 1 DIR``: the step-1 model of the run (the weaker student), besides the final ``--export``;

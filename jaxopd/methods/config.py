@@ -19,7 +19,8 @@ METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallbac
            "actfirst-prefix-replay-100", "sti", "actionopd", "sft")
 PRESETS = ("cpu", "gpu", "paper")
 ROLLOUT_MODES = ("async", "sync")
-SFT_THINKING = ("none", "state", "plan", "plan-here", "task-plan-here", "task-list-plan-here")
+SFT_THINKING = ("none", "state", "plan", "plan-here", "task-plan-here", "task-list-plan-here",
+                "task-list-act-here")
 """What an SFT demonstration thinks before its action: ``none`` (Qwen3's empty thinking block), ``state`` (ALFWorld:
 a short reasoning over what the prompt shows, ``jaxopd.methods.sft_data.state_thinking``) or ``plan`` (ALFWorld: that
 state and the step it calls for, the tool or the destination, ``jaxopd.methods.sft_data.plan_text``) or
@@ -27,7 +28,8 @@ state and the step it calls for, the tool or the destination, ``jaxopd.methods.s
 ``task-plan-here`` (ALFWorld: the instruction restated word for word, then the plan-here words, and the tool's command
 when the agent stands at the tool, ``jaxopd.methods.sft_data.task_plan_here_text``) or ``task-list-plan-here`` (the
 same, with the object classes an arrival or an opening just listed copied after the instruction,
-``jaxopd.methods.sft_data.task_list_plan_here_text``)."""
+``jaxopd.methods.sft_data.task_list_plan_here_text``) or ``task-list-act-here`` (that, ending on the command to
+give at the agent's location when there is one, ``jaxopd.methods.sft_data.task_list_act_here_text``)."""
 SFT_DEMONSTRATIONS = {"walkthrough": "solution", "searching-expert": "searching_expert"}
 """What SFT imitates, each with the ``envs.references`` kind of its references: the planner's walkthrough (it knows
 where everything lies; ScienceWorld's gold path), or ALFWorld's searching expert (``envs.alfworld_expert``: it looks
@@ -116,6 +118,7 @@ class RunConfig:
     sft_renamed_copies: int = 0              # copies of each demonstration, classes renamed (envs.alfworld_names)
     sft_take_copies: int = 0                 # more renamed copies of the turns whose action is ``take`` only
     sft_arrival_copies: int = 0              # ... and of the turns after a ``go to`` or ``open`` (sft_data.FOCUS_TURNS)
+    sft_refused_copies: int = 0              # ... and of the turns after one refused command (sft_data.refused_turn)
     lr_schedule: str = "constant"            # SFT only: "cosine" warms up over 5 % of the steps, then decays to 10 %
 
     def __post_init__(self):
@@ -140,7 +143,7 @@ class RunConfig:
         if self.lr_schedule != "constant" and self.method != "sft":
             raise ValueError(f"a {self.lr_schedule} learning-rate schedule is for SFT's fixed number of steps; the "
                              "distillation methods keep the papers' constant rate")
-        for name in ("sft_renamed_copies", "sft_take_copies", "sft_arrival_copies"):
+        for name in ("sft_renamed_copies", "sft_take_copies", "sft_arrival_copies", "sft_refused_copies"):
             if getattr(self, name) and self.benchmark != "alfworld":
                 raise ValueError(f"renamed demonstration copies rename ALFWorld's classes; ScienceWorld SFT has none "
                                  f"({name} 0)")
@@ -161,7 +164,7 @@ class RunConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"RunConfig.{name} must be a positive integer or None, got {value!r}")
         for name in ("max_version_lag", "eval_every", "second_stage_tokens", "top_k", "sft_renamed_copies",
-                     "sft_take_copies", "sft_arrival_copies"):
+                     "sft_take_copies", "sft_arrival_copies", "sft_refused_copies"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"RunConfig.{name} must be a non-negative integer, got {value!r}")

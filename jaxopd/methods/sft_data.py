@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from envs.alfworld import REFUSED_FEEDBACK
 from envs.alfworld_state import TaskState, parse_goal, task_state
 from envs.references import ReferenceTrajectory
 from jaxopd.methods.config import SFT_THINKING
@@ -199,7 +200,7 @@ def task_list_plan_here_text(state: TaskState) -> str:
     return _task_text(state, listing=True)
 
 
-def _task_text(state: TaskState, *, listing: bool) -> str:
+def _task_text(state: TaskState, *, listing: bool, tool_sentence: bool = True) -> str:
     goal = state.goal
     if not goal.instruction:
         raise ValueError("task-plan-here thinking restates the instruction, and this goal has none "
@@ -208,14 +209,69 @@ def _task_text(state: TaskState, *, listing: bool) -> str:
     if listing and state.listed is not None:
         text += " " + listing_sentence(state.listed)
     text += f" {plan_here_text(state)}"
-    if (state.held is not None and goal.tool is not None and not state.changed and state.location is not None
-            and state.location.split()[0] == goal.tool[1]):
+    if (tool_sentence and state.held is not None and goal.tool is not None and not state.changed
+            and state.location is not None and state.location.split()[0] == goal.tool[1]):
         text += f" I can {goal.tool[0]} it here."
     return text
 
 
+def command_here(state: TaskState) -> str | None:
+    """The command the task calls for at the agent's location, read from ``state`` alone, or None where the next
+    step is elsewhere (a ``go to``) or an ``open``: ``take apple 4 from countertop 1`` (the goal object still needed
+    and one in view; the first the engine listed), ``use desklamp 1`` (a look task's object held and a lamp in
+    view), ``cool apple 4 with fridge 1`` (the unchanged object held at a receptacle of its tool's class), ``move
+    apple 4 to garbagecan 1`` (the object held, changed where the task asks it, at a receptacle of the goal's
+    class). A closed receptacle takes no ``take`` nor ``move`` (it is opened first); the engine changes through a
+    closed tool's door (``task_plan_here_text``)."""
+    goal, location = state.goal, state.location
+    if location is None:
+        return None
+    here = location.split()[0]
+    if state.held is None:
+        if state.in_view and not state.location_closed:
+            return f"take {state.in_view[0]} from {location}"
+        return None
+    if goal.toggle is not None:
+        return f"use {state.lamps_in_view[0]}" if state.lamps_in_view else None
+    if goal.tool is not None and not state.changed:
+        verb, tool = goal.tool
+        return f"{verb} {state.held} with {location}" if here == tool else None
+    if here == goal.recep and not state.location_closed:
+        return f"move {state.held} to {location}"
+    return None
+
+
+def expert_pick_first(state: TaskState) -> TaskState:
+    """``state`` with the goal objects and lamps in view listed last first: the one the searching expert takes of
+    several of a class is the last the engine listed ("a pen 3, and a pen 1": ``take pen 1``; 229 of its 236 takes
+    on the generated training games, against 182 for the first listed), so a thinking that names ``in_view[0]``
+    names the object the demonstration acts on."""
+    return dataclasses.replace(state, in_view=state.in_view[::-1], lamps_in_view=state.lamps_in_view[::-1])
+
+
+def task_list_act_here_text(state: TaskState) -> str:
+    """:func:`task_list_plan_here_text` ending on the command to give here, when there is one (:func:`command_here`;
+    ``--sft-thinking task-list-act-here``): ``"Your task is to: put a clean cup in cabinet. Here: apple, cup, knife.
+    I need a cup. I see cup 2 here. I am at countertop 1. I can take cup 2 from countertop 1."``; ``"... I hold
+    apple 1. I must cool it with a fridge. I am at fridge 1. It is closed. I can cool apple 1 with fridge 1."``
+    (the tool sentence of ``task-plan-here`` gives way to the command).
+
+    Why. Stop 29's ``task-list-plan-here`` teacher said "I see cd 4 here." where the goal object lay, then took
+    another object of the admissible list (41 of 44 such rounds in play): the action's object had to be found two
+    sentences back, among the many ``take X N from R`` of the prompt. Ending the thinking on the command itself
+    makes the action a copy of the span just written, and the command in the thinking copies its object from the
+    sentence before it and its receptacle from the one just before (``I am at countertop 1.``). The object named is
+    the one the demonstration takes (:func:`expert_pick_first`): earlier variants named the first listed of a class,
+    and 54 of the expert's 236 takes on the training games took another one."""
+    state = expert_pick_first(state)
+    text = _task_text(state, listing=True, tool_sentence=False)
+    command = command_here(state)
+    return f"{text} I can {command}." if command else text
+
+
 THINKING_RULES = {"state": state_text, "plan": plan_text, "plan-here": plan_here_text,
-                  "task-plan-here": task_plan_here_text, "task-list-plan-here": task_list_plan_here_text}
+                  "task-plan-here": task_plan_here_text, "task-list-plan-here": task_list_plan_here_text,
+                  "task-list-act-here": task_list_act_here_text}
 """The words of each ``SFT_THINKING`` value but ``none`` for a ``TaskState``: the one table SFT writes from and
 ``jaxopd.methods.transcripts`` compares an agent's thinking with."""
 
@@ -298,6 +354,27 @@ def is_arrival_turn(turn: WalkthroughTurn) -> bool:
 
 
 FOCUS_TURNS = {"take": is_take_turn, "arrival": is_arrival_turn}
+
+
+def refused_turn(turn: WalkthroughTurn) -> WalkthroughTurn | None:
+    """``turn`` after one more command the engine refused: a ``go to`` the receptacle the agent stands at, answered
+    "Nothing happens." (what free-running teachers did most: stop 29's refused 58 % of their moves, and repeated the
+    refused one in 60 % of the turns after). The history gains the pair (o_t, ``go to <here>``), the observation is
+    the refusal, and the demonstrated action stays a_t: a refusal changes nothing, so the step the state calls for is
+    the same. None before the first arrival (no "here"), and where the state read from the new inputs calls for
+    another command at the location (:func:`command_here`): a ``take`` or ``use`` needs the object listed in the
+    current observation, which the refusal replaces."""
+    inputs = turn.inputs
+    if inputs.benchmark != "alfworld":
+        return None
+    before = _state_of(inputs, "refused-turn")
+    if before.location is None:
+        return None
+    refused_pair = (inputs.observation, f"go to {before.location}")
+    refused = dataclasses.replace(inputs, history=(*inputs.history, refused_pair), observation=REFUSED_FEEDBACK)
+    if command_here(expert_pick_first(_state_of(refused, "refused-turn"))) != command_here(expert_pick_first(before)):
+        return None
+    return dataclasses.replace(turn, inputs=refused)
 """The turn selections SFT can oversample (``RunConfig.sft_take_copies`` / ``sft_arrival_copies``)."""
 
 
@@ -359,7 +436,8 @@ def _reference_list(references: Mapping[str, ReferenceTrajectory] | Iterable[Ref
 
 def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable[ReferenceTrajectory], tokenizer,
                         *, max_prompt_tokens: int, benchmark: str = "alfworld", thinking: str = "none",
-                        keep: Callable[[WalkthroughTurn], bool] | None = None
+                        keep: Callable[[WalkthroughTurn], bool] | None = None,
+                        rewrite: Callable[[WalkthroughTurn], WalkthroughTurn | None] | None = None
                         ) -> tuple[list[Sample], WalkthroughStats]:
     """Every walkthrough turn of ``references`` as an SFT sample, and the counts.
 
@@ -373,7 +451,8 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
 
     ``references``: a sequence of ``ReferenceTrajectory`` or a mapping of them (``load_references``); samples
     come in that order, turns in order within a reference. ``keep``: only the turns it accepts (``FOCUS_TURNS``);
-    the others are not counted.
+    the others are not counted. ``rewrite``: each kept turn replaced by what it returns (:func:`refused_turn`), the
+    turns it returns None for left out and not counted.
     """
     if thinking not in SFT_THINKING:
         raise ValueError(f"unknown SFT thinking {thinking!r}; expected one of {SFT_THINKING}")
@@ -385,6 +464,10 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
         for turn in walkthrough_turns(reference, benchmark=benchmark):
             if keep is not None and not keep(turn):
                 continue
+            if rewrite is not None:
+                turn = rewrite(turn)
+                if turn is None:
+                    continue
             stats.turns += 1
             try:
                 prompt = render_prompt(tokenizer, SFT_MODE, turn.inputs, max_prompt_tokens)

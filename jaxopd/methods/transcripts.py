@@ -17,12 +17,13 @@ from typing import Any, Mapping, Sequence
 
 from envs.alfworld_state import Goal, goal_of_task_id, parse_goal, task_state, without_restated_instruction
 from jaxopd.methods.sft_data import THINKING_RULES
+from envs.alfworld import REFUSED_FEEDBACK
 from jaxopd.rollout.tags import THINK_END, THINK_START
 
 __all__ = ["REFUSED", "thinking_of", "episode_progress", "transcript_counts"]
 
-REFUSED = "Nothing happens."
-"""The engine's answer to a command it does not execute (alfworld 0.4)."""
+REFUSED = REFUSED_FEEDBACK
+"""The engine's answer to a command it does not execute (``envs.alfworld.REFUSED_FEEDBACK``)."""
 
 
 def thinking_of(answer: str) -> str | None:
