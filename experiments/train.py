@@ -38,7 +38,7 @@ FLAG_FIELDS = ("benchmark", "games", "student", "teacher", "student_model_preset
                "total_tokens", "second_stage_tokens", "fast_action_tokens", "temperature", "eval_split",
                "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "sft_demonstrations",
                "sft_context_weight", "sft_thinking", "sft_renamed_copies", "sft_take_copies", "sft_arrival_copies",
-               "sft_refused_copies", "lr_schedule",
+               "sft_change_copies", "sft_refused_copies", "lr_schedule",
                "max_supervised_tokens")
 
 
@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-arrival-copies", type=int, default=None, metavar="K",
                    help="SFT (ALFWorld): then K more renamed copies of the turns after a go to or open (a receptacle's "
                         "contents just listed: is the goal object there?), after the take copies; default 0")
+    p.add_argument("--sft-change-copies", type=int, default=None, metavar="K",
+                   help="SFT (ALFWorld): then K more renamed copies of the turns holding the goal object still to "
+                        "clean, heat or cool (the tool's verb and class to find), after the arrival copies; default 0")
     p.add_argument("--sft-refused-copies", type=int, default=None, metavar="K",
                    help="SFT (ALFWorld): then K more renamed copies of the turns after one more command the engine "
                         "refused (a go to where the agent stands, 'Nothing happens.'), with the same demonstrated "

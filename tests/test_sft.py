@@ -688,6 +688,26 @@ def test_refused_turn_by_hand():
         "I am at fridge 1. It is closed. I can cool mug 2 with fridge 1.")
 
 
+def test_change_turns_by_hand():
+    """``FOCUS_TURNS["change"]``: the goal object held and still to clean, heat or cool; not before it is held, not
+    once changed, never in a task that changes nothing."""
+    pytest.importorskip("alfworld")
+    from jaxopd.methods.sft_data import FOCUS_TURNS, WalkthroughTurn
+
+    change = FOCUS_TURNS["change"]
+    cool = "Your task is to: cool some mug and put it in cabinet."
+    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2.")]
+    held = seen + [("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1.")]
+    cooled = held + [("go to fridge 1", "You arrive at fridge 1. The fridge 1 is closed."),
+                     ("cool mug 2 with fridge 1", "You cool the mug 2 using the fridge 1.")]
+    assert not change(WalkthroughTurn("t", 2, _inputs(cool, seen, ""), "take mug 2 from countertop 1"))
+    assert change(WalkthroughTurn("t", 3, _inputs(cool, held, ""), "go to fridge 1"))
+    assert change(WalkthroughTurn("t", 4, _inputs(cool, held + cooled[2:3], ""), "cool mug 2 with fridge 1"))
+    assert not change(WalkthroughTurn("t", 5, _inputs(cool, cooled, ""), "go to cabinet 1"))
+    put = "Your task is to: put some mug on desk."
+    assert not change(WalkthroughTurn("t", 3, _inputs(put, held, ""), "go to desk 1"))
+
+
 def test_walkthrough_samples_with_state_thinking(alfworld, tok):
     from jaxopd.methods.sft_data import state_thinking
     _, _, reference = alfworld

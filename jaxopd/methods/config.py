@@ -118,6 +118,7 @@ class RunConfig:
     sft_renamed_copies: int = 0              # copies of each demonstration, classes renamed (envs.alfworld_names)
     sft_take_copies: int = 0                 # more renamed copies of the turns whose action is ``take`` only
     sft_arrival_copies: int = 0              # ... and of the turns after a ``go to`` or ``open`` (sft_data.FOCUS_TURNS)
+    sft_change_copies: int = 0               # ... and of the turns holding the goal object still to change
     sft_refused_copies: int = 0              # ... and of the turns after one refused command (sft_data.refused_turn)
     lr_schedule: str = "constant"            # SFT only: "cosine" warms up over 5 % of the steps, then decays to 10 %
 
@@ -143,7 +144,8 @@ class RunConfig:
         if self.lr_schedule != "constant" and self.method != "sft":
             raise ValueError(f"a {self.lr_schedule} learning-rate schedule is for SFT's fixed number of steps; the "
                              "distillation methods keep the papers' constant rate")
-        for name in ("sft_renamed_copies", "sft_take_copies", "sft_arrival_copies", "sft_refused_copies"):
+        for name in ("sft_renamed_copies", "sft_take_copies", "sft_arrival_copies", "sft_change_copies",
+                     "sft_refused_copies"):
             if getattr(self, name) and self.benchmark != "alfworld":
                 raise ValueError(f"renamed demonstration copies rename ALFWorld's classes; ScienceWorld SFT has none "
                                  f"({name} 0)")
@@ -164,7 +166,7 @@ class RunConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"RunConfig.{name} must be a positive integer or None, got {value!r}")
         for name in ("max_version_lag", "eval_every", "second_stage_tokens", "top_k", "sft_renamed_copies",
-                     "sft_take_copies", "sft_arrival_copies", "sft_refused_copies"):
+                     "sft_take_copies", "sft_arrival_copies", "sft_change_copies", "sft_refused_copies"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"RunConfig.{name} must be a non-negative integer, got {value!r}")

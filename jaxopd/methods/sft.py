@@ -59,7 +59,8 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
     with ``sft_thinking`` under ``max_prompt_tokens``; then ``sft_take_copies`` more renamed copies of the turns whose
     action is ``take`` only, and ``sft_arrival_copies`` of the turns after a ``go to`` or ``open``, each renamed afresh
     (``sft_data.FOCUS_TURNS``: the turns where the answer says whether the goal object is in view, which a
-    free-running teacher got wrong, results/train stop 28); then ``sft_refused_copies`` renamed copies of the turns
+    free-running teacher got wrong, results/train stop 28), ``sft_change_copies`` of the turns holding the goal object
+    still to clean, heat or cool (``FOCUS_TURNS["change"]``); then ``sft_refused_copies`` renamed copies of the turns
     after one more, refused, command (``sft_data.refused_turn``: the same step after "Nothing happens."). Raises
     ``ValueError`` when no demonstration succeeded."""
     tasks = subset(source.tasks(TRAIN_SPLIT[config.benchmark]), config.train_tasks, seed=config.seed)
@@ -82,7 +83,7 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
                                          benchmark=config.benchmark, thinking=config.sft_thinking)
     copy = config.sft_renamed_copies                     # each further copy gets a renaming no copy before used
     for focus, copies in (("take", config.sft_take_copies), ("arrival", config.sft_arrival_copies),
-                          ("refused", config.sft_refused_copies)):
+                          ("change", config.sft_change_copies), ("refused", config.sft_refused_copies)):
         for _ in range(copies):
             copy += 1
             selection = {"rewrite": refused_turn} if focus == "refused" else {"keep": FOCUS_TURNS[focus]}

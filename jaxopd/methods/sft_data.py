@@ -353,7 +353,18 @@ def is_arrival_turn(turn: WalkthroughTurn) -> bool:
     return bool(turn.inputs.history) and turn.inputs.history[-1][1].startswith(("go to ", "open "))
 
 
-FOCUS_TURNS = {"take": is_take_turn, "arrival": is_arrival_turn}
+def is_change_turn(turn: WalkthroughTurn) -> bool:
+    """The agent holds the goal object and the task still asks to clean, heat or cool it: the turns whose answer
+    must turn the instruction's word into the tool's verb and class (``go to fridge 1``, ``cool apple 1 with fridge
+    1``), which stop 30's teacher confused in play ("put a clean bowl in microwave": "I must heat it with a
+    microwave.")."""
+    if turn.inputs.benchmark != "alfworld":
+        return False
+    state = _state_of(turn.inputs, "change-turn")
+    return state.held is not None and state.goal.tool is not None and not state.changed
+
+
+FOCUS_TURNS = {"take": is_take_turn, "arrival": is_arrival_turn, "change": is_change_turn}
 
 
 def refused_turn(turn: WalkthroughTurn) -> WalkthroughTurn | None:
@@ -375,7 +386,8 @@ def refused_turn(turn: WalkthroughTurn) -> WalkthroughTurn | None:
     if command_here(expert_pick_first(_state_of(refused, "refused-turn"))) != command_here(expert_pick_first(before)):
         return None
     return dataclasses.replace(turn, inputs=refused)
-"""The turn selections SFT can oversample (``RunConfig.sft_take_copies`` / ``sft_arrival_copies``)."""
+"""The turn selections SFT can oversample (``RunConfig.sft_take_copies`` / ``sft_arrival_copies`` /
+``sft_change_copies``)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
