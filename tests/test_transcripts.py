@@ -146,3 +146,27 @@ def test_a_restated_instruction_does_not_name_the_goal():
     episode = {**_cool_episode(), "instruction": instruction}
     episode["answers"] = [_answer(f"{instruction} I need a bread.", a) for a in episode["actions"]]
     assert transcript_counts([episode], thinking="task-plan-here")["thinking_names_goal"] == 0.0
+
+
+def test_thinking_against_action_by_hand():
+    """Whether the action does what the thinking said: the object named in view taken, the command ended on given,
+    the change sentence the task's verb and tool; rounds that say none of these are not counted."""
+    from jaxopd.methods.transcripts import transcript_counts
+
+    steps = [("I need a mug. I see mug 2 here. I am at countertop 1. I can take mug 2 from countertop 1.",
+              "take mug 1 from countertop 1", "You pick up the mug 1 from the countertop 1."),
+             ("I hold mug 1. I must heat it with a microwave. I am at countertop 1.", "go to fridge 1",
+              "You arrive at fridge 1. The fridge 1 is closed."),
+             ("I hold mug 1. I must cool it with a fridge. I am at fridge 1. It is closed. "
+              "I can cool mug 1 with fridge 1.", "cool mug 1 with fridge 1", "You cool the mug 1 using the fridge 1."),
+             ("I hold mug 1. I must cool it with a fridge. I can cool it here.", "look", "Nothing happens."),
+             ("I need a mug. I see mug 3 here.", "take mug 3 from fridge 1", "Nothing happens.")]
+    episode = {"task_id": COOL_ID, "won": False, "actions": [a for _, a, _ in steps],
+               "feedback": [f for _, _, f in steps], "answers": [_answer(t, a) for t, a, _ in steps],
+               "instruction": "Your task is to: cool some mug and put it in cabinet."}
+    counts = transcript_counts([episode], thinking="task-list-act-here")
+    assert counts["named_taken"] == {"rounds": 1, "of": 2, "share": 0.5}
+    assert counts["command_followed"] == {"rounds": 1, "of": 2, "share": 0.5}   # "I can cool it here." is none
+    assert counts["change_right"] == {"rounds": 2, "of": 3, "share": pytest.approx(2 / 3)}
+    look = transcript_counts([_look_episode()], thinking="plan")
+    assert look["change_right"] == {"rounds": 0, "of": 0, "share": None}   # a look task changes nothing

@@ -108,6 +108,26 @@ def says_in_view(thinking: str | None, object_class: str | None) -> bool:
                 and re.search(rf"\bI see {re.escape(object_class)} \d+ here\.", thinking))
 
 
+def named_in_view(thinking: str | None) -> str | None:
+    """The object a thinking says is in view (:func:`in_view_sentence`, the first such sentence), or None."""
+    found = re.search(r"\bI see ([a-z]+ \d+) here\.", thinking or "")
+    return found.group(1) if found else None
+
+
+def change_said(thinking: str | None) -> tuple[str, str] | None:
+    """The (verb, tool class) of a thinking's change sentence (:func:`plan_text`: "I must cool it with a fridge."),
+    or None."""
+    found = re.search(r"\bI must ([a-z]+) it with a ([a-z]+)\.", thinking or "")
+    return (found.group(1), found.group(2)) if found else None
+
+
+def command_said(thinking: str | None) -> str | None:
+    """The command a thinking ends on (``task-list-act-here``: "... I can take cup 2 from countertop 1."), or None
+    (also for ``task-plan-here``'s "I can cool it here.", which names no command)."""
+    found = re.search(r"\bI can (?![a-z]+ it here\.)([^.]+)\.\s*$", thinking or "")
+    return found.group(1).strip() if found else None
+
+
 def plan_text(state: TaskState) -> str:
     """:func:`state_text`'s state with the step it calls for next (``--sft-thinking plan``).
 

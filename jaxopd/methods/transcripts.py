@@ -6,7 +6,10 @@ held a goal object, that cleaned / heated / cooled it where the task asks, that 
 that won), the share of moves the engine refused (``Nothing happens.``) and of actions repeating the previous one,
 and the *thinking fidelity*: the share of rounds whose thinking is exactly what the SFT demonstrations would have
 thought in that state (``jaxopd.methods.sft_data.THINKING_RULES`` for the state the agent's own
-history shows), and the share that names the goal object (beyond a restated instruction). Everything is read
+history shows), the share that names the goal object (beyond a restated instruction), and whether the action does
+what the thinking said: of the rounds whose thinking names an object in view, those whose action takes it; of those
+ending on a command ("I can ..."), those whose action is it; of those saying a change ("I must cool it with a
+fridge."), those whose verb and tool are the task's. Everything is read
 from text the agent was shown; the goal comes from the record's instruction, or from the task id
 (``envs.alfworld_state.goal_of_task_id``) in records written before they kept it (``task-plan-here`` fidelity needs
 the instruction).
@@ -16,8 +19,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from envs.alfworld_state import Goal, goal_of_task_id, parse_goal, task_state, without_restated_instruction
-from jaxopd.methods.sft_data import THINKING_RULES
 from envs.alfworld import REFUSED_FEEDBACK
+from jaxopd.methods.sft_data import THINKING_RULES, change_said, command_said, named_in_view
 from jaxopd.rollout.tags import THINK_END, THINK_START
 
 __all__ = ["REFUSED", "thinking_of", "episode_progress", "transcript_counts"]
@@ -79,6 +82,7 @@ def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = 
         raise ValueError("no episodes to count")
     rule = THINKING_RULES[thinking]
     rounds = refused = repeated = faithful = names_goal = no_thinking = 0
+    agreements = {name: [0, 0] for name in ("named_taken", "command_followed", "change_right")}
     stages = {stage: [0, 0] for stage in ("held", "changed", "placed", "won")}
     for episode in episodes:
         goal, states = _states(episode)
@@ -93,6 +97,14 @@ def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = 
                 continue
             faithful += thought == rule(states[t])
             names_goal += goal.obj in without_restated_instruction(thought)
+            action, named, command = actions[t].strip(), named_in_view(thought), command_said(thought)
+            change = change_said(thought) if goal.tool else None
+            for name, said, agrees in (("named_taken", named, named and action.startswith(f"take {named} from ")),
+                                       ("command_followed", command, action == command),
+                                       ("change_right", change, change == goal.tool)):
+                if said is not None:
+                    agreements[name][0] += bool(agrees)
+                    agreements[name][1] += 1
         for stage, reached in episode_progress(episode).items():
             if reached is not None:
                 stages[stage][0] += reached
@@ -101,5 +113,7 @@ def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = 
             "refused": _share(refused, rounds), "repeated": _share(repeated, rounds),
             "thinking_faithful": _share(faithful, rounds), "thinking_names_goal": _share(names_goal, rounds),
             "no_thinking": _share(no_thinking, rounds),
+            **{name: {"rounds": agreed, "of": total, "share": _share(agreed, total)}
+               for name, (agreed, total) in agreements.items()},
             "funnel": {stage: {"episodes": reached, "of": total, "share": _share(reached, total)}
                        for stage, (reached, total) in stages.items()}}
