@@ -239,9 +239,9 @@ def command_here(state: TaskState) -> str | None:
     """The command the task calls for at the agent's location, read from ``state`` alone, or None where the next
     step is elsewhere (a ``go to``) or an ``open``: ``take apple 4 from countertop 1`` (the goal object still needed
     and one in view: ``state.in_view[0]``, which :func:`expert_pick_first` makes the one the expert takes), ``use
-    desklamp 1`` (a look task's object held and a lamp in view), ``cool apple 4 with fridge 1`` (the unchanged object held at a receptacle of its tool's class), ``move
-    apple 4 to garbagecan 1`` (the object held, changed where the task asks it, at a receptacle of the goal's
-    class). A closed receptacle takes no ``take`` nor ``move`` (it is opened first); the engine changes through a
+    desklamp 1`` (a look task's object held and a lamp in view), ``cool apple 4 with fridge 1`` (the unchanged
+    object held at a receptacle of its tool's class), ``move apple 4 to garbagecan 1`` (the object held, changed
+    where the task asks it, at a receptacle of the goal's class). A closed receptacle takes no ``take`` nor ``move`` (it is opened first); the engine changes through a
     closed tool's door (``task_plan_here_text``)."""
     goal, location = state.goal, state.location
     if location is None:
