@@ -241,8 +241,8 @@ def command_here(state: TaskState) -> str | None:
     and one in view: ``state.in_view[0]``, which :func:`expert_pick_first` makes the one the expert takes), ``use
     desklamp 1`` (a look task's object held and a lamp in view), ``cool apple 4 with fridge 1`` (the unchanged
     object held at a receptacle of its tool's class), ``move apple 4 to garbagecan 1`` (the object held, changed
-    where the task asks it, at a receptacle of the goal's class). A closed receptacle takes no ``take`` nor ``move`` (it is opened first); the engine changes through a
-    closed tool's door (``task_plan_here_text``)."""
+    where the task asks it, at a receptacle of the goal's class). A closed receptacle takes no ``take`` nor
+    ``move`` (it is opened first); the engine changes through a closed tool's door (``task_plan_here_text``)."""
     goal, location = state.goal, state.location
     if location is None:
         return None
