@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "vocabulary), beside the response's; 0 trains on the response only")
     p.add_argument("--sft-thinking", default=None, choices=SFT_THINKING,
                    help="SFT: what a demonstration thinks before its action: none (an empty thinking block, default) "
-                        "or state (ALFWorld: the goal object held or needed and the one in view, read from the prompt)")
+                        "or an ALFWorld rule read from the prompt, from state (the goal object held or needed and the "
+                        "one in view) to task-list-act-here (ending on the command to give here); each is described "
+                        "at jaxopd.methods.config.SFT_THINKING")
     p.add_argument("--sft-renamed-copies", type=int, default=None, metavar="K",
                    help="SFT (ALFWorld): add K copies of every demonstration with its object and receptacle classes "
                         "renamed at random, consistently (envs.alfworld_names), so names must be read from the "
