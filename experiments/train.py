@@ -38,7 +38,7 @@ FLAG_FIELDS = ("benchmark", "games", "student", "teacher", "student_model_preset
                "total_tokens", "second_stage_tokens", "fast_action_tokens", "temperature", "eval_split",
                "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "sft_demonstrations",
                "sft_context_weight", "sft_thinking", "sft_renamed_copies", "sft_take_copies", "sft_arrival_copies",
-               "sft_change_copies", "sft_refused_copies", "lr_schedule",
+               "sft_change_copies", "sft_refused_copies", "sft_missing_copies", "lr_schedule",
                "max_supervised_tokens")
 
 
@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SFT (ALFWorld): then K more renamed copies of the turns after one more command the engine "
                         "refused (a go to where the agent stands, 'Nothing happens.'), with the same demonstrated "
                         "action; default 0")
+    p.add_argument("--sft-missing-copies", type=int, default=None, metavar="K",
+                   help="SFT (ALFWorld): then K more renamed copies of the turns after a refused go to a receptacle "
+                        "the room does not have (one past the last of the class the agent stands at), with the same "
+                        "demonstrated action; default 0")
     p.add_argument("--export-at", nargs=2, action="append", default=None, metavar=("STEP", "DIR"),
                    help="SFT: also write the model of step STEP as a Hugging Face folder DIR when the run passes it "
                         "(a weaker student from the teacher's own run; repeatable)")

@@ -661,6 +661,37 @@ def test_task_list_act_here_thinking_by_hand():
                "I can use desklamp 2.")
 
 
+def test_task_tool_act_here_thinking_by_hand():
+    """Task-tool-act-here thinking: the task-list-act-here words with the change task's verb and tool said right after
+    the instruction in every turn, before and after the change; nothing added for a task that changes nothing."""
+    pytest.importorskip("alfworld")
+    from jaxopd.methods.sft_data import change_said, thinking_text
+
+    tool = "task-tool-act-here"
+    clean = "Your task is to: put a clean bowl in microwave."
+    assert thinking_text(_inputs(clean, [], "You are in the middle of a room."), tool) == (
+        clean + " Tool: clean it with a sinkbasin. I need a bowl.")
+    seen = [("go to microwave 1", "You arrive at microwave 1. The microwave 1 is open. In it, you see a bowl 1.")]
+    held = seen + [("take bowl 1 from microwave 1", "You pick up the bowl 1 from the microwave 1.")]
+    thought = thinking_text(_inputs(clean, held, ""), tool)
+    assert thought == (clean + " Tool: clean it with a sinkbasin. I hold bowl 1. I must clean it with a sinkbasin. "
+                               "I am at microwave 1.")
+    assert change_said(thought) == ("clean", "sinkbasin")
+    sink = held + [("go to sinkbasin 1", "You arrive at sinkbasin 1. On the sinkbasin 1, you see nothing.")]
+    assert thinking_text(_inputs(clean, sink, ""), tool).endswith(
+        "I am at sinkbasin 1. I can clean bowl 1 with sinkbasin 1.")
+    cleaned = sink + [("clean bowl 1 with sinkbasin 1", "You clean the bowl 1 using the sinkbasin 1.")]
+    assert thinking_text(_inputs(clean, cleaned, ""), tool) == (
+        clean + " Tool: clean it with a sinkbasin. I hold bowl 1, now clean. It goes in microwave. "
+                "I am at sinkbasin 1.")
+    hot = "Your task is to: heat some egg and put it in fridge."
+    assert thinking_text(_inputs(hot, [], "You are in the middle of a room."), tool) == (
+        hot + " Tool: heat it with a microwave. I need a egg.")
+    pick = "Your task is to: put some cd on desk."
+    at = [("go to shelf 1", "You arrive at shelf 1. On the shelf 1, you see a cd 3, and a cd 1.")]
+    assert thinking_text(_inputs(pick, at, ""), tool) == thinking_text(_inputs(pick, at, ""), "task-list-act-here")
+
+
 def test_refused_turn_by_hand():
     """A refused-command turn: the history gains (o_t, go to <here>), the observation is the refusal, the action
     stays; none before the first arrival, nor where the refusal hides what the command needs (an object in view)."""
@@ -686,6 +717,38 @@ def test_refused_turn_by_hand():
     at_fridge = refused_turn(WalkthroughTurn("t", 4, _inputs(cool, fridge, ""), "cool mug 2 with fridge 1"))
     assert thinking_text(at_fridge.inputs, "task-list-act-here").endswith(
         "I am at fridge 1. It is closed. I can cool mug 2 with fridge 1.")
+
+
+def test_missing_turn_by_hand():
+    """A missing-receptacle turn: the history gains (o_t, go to <one past the last of the class here>), the
+    observation is the refusal, the action stays; the count reads the admissible go-to commands and the location."""
+    pytest.importorskip("alfworld")
+    import dataclasses
+
+    from envs.alfworld import REFUSED_FEEDBACK
+    from jaxopd.methods.sft_data import WalkthroughTurn, missing_receptacle, missing_turn, thinking_text
+
+    cool = "Your task is to: cool some mug and put it in cabinet."
+    room = ("go to drawer 1", "go to drawer 2", "go to cabinet 4", "go to countertop 1", "look")
+    start = WalkthroughTurn("t", 1, dataclasses.replace(_inputs(cool, [], "You are in the middle of a room."),
+                                                        admissible_actions=room), "go to drawer 1")
+    assert missing_turn(start) is None
+    at = [("go to drawer 2", "You arrive at drawer 2. The drawer 2 is closed.")]
+    inputs = dataclasses.replace(_inputs(cool, at, ""), admissible_actions=room)
+    assert missing_receptacle(inputs, "drawer 2") == "drawer 3"
+    assert missing_receptacle(inputs, "cabinet 4") == "cabinet 5"
+    assert missing_receptacle(inputs, "sinkbasin 1") == "sinkbasin 2"
+    turn = WalkthroughTurn("t", 2, inputs, "open drawer 2")
+    missing = missing_turn(turn)
+    assert missing.action == "open drawer 2"
+    assert missing.inputs.history == inputs.history + ((inputs.observation, "go to drawer 3"),)
+    assert missing.inputs.observation == REFUSED_FEEDBACK
+    assert thinking_text(missing.inputs, "task-list-act-here") == (
+        cool + " I need a mug. I am at drawer 2. It is closed.")
+    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2.")]
+    take = WalkthroughTurn("t", 2, dataclasses.replace(_inputs(cool, seen, ""), admissible_actions=room),
+                           "take mug 2 from countertop 1")
+    assert missing_turn(take) is None
 
 
 def test_change_turns_by_hand():

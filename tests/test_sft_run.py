@@ -196,6 +196,40 @@ def test_refused_copies_add_the_turns_after_a_refused_go_to(source):
         build_config("sft", preset="cpu", benchmark="scienceworld", sft_refused_copies=1)
 
 
+def test_missing_copies_add_the_turns_after_a_go_to_a_missing_receptacle(source):
+    """``sft_missing_copies=1``: one renamed copy of each turn ``missing_turn`` keeps, its prompt ending on a ``go to``
+    one past the last receptacle of the class here and "Nothing happens."; and the engine does refuse that command."""
+    from envs.alfworld import REFUSED_FEEDBACK
+    from jaxopd.methods.sft import sft_corpus
+    from jaxopd.methods.sft_data import missing_receptacle, missing_turn, walkthrough_turns
+
+    tokenizer = Qwen3Tokenizer()
+    base = sft_corpus(build_config("sft", preset="cpu", sft_thinking="task-tool-act-here"), source, tokenizer,
+                      progress=False)
+    more = sft_corpus(build_config("sft", preset="cpu", sft_thinking="task-tool-act-here", sft_missing_copies=1),
+                      source, tokenizer, progress=False)
+    turns = [t for r in base.references.values() for t in walkthrough_turns(r)]
+    kept = [missing_turn(t) for t in turns]
+    assert 0 < sum(k is not None for k in kept) < len(turns)
+    assert len(more.samples) == len(base.samples) + sum(k is not None for k in kept)
+    for sample in more.samples[len(base.samples):]:
+        text = tokenizer.decode(sample.tokens.tolist())
+        prompt = text[:text.rindex("<think>")]
+        assert f"{REFUSED_FEEDBACK}" in prompt[prompt.rindex("action] go to "):]
+    # the engine refuses a go to one past the last receptacle of the class where the agent arrived
+    reference = next(iter(base.references.values()))
+    first_turns = walkthrough_turns(reference)
+    with source.env_factory() as env:
+        task = next(t for t in base.tasks if t.task_id == reference.task_id)
+        env.reset(task)
+        first = reference.actions[0]
+        assert first.startswith("go to ") and env.step(first).text.startswith("You arrive at")
+        target = missing_receptacle(first_turns[1].inputs, first[len("go to "):])
+        assert env.step(f"go to {target}").text == REFUSED_FEEDBACK
+    with pytest.raises(ValueError, match="sft_missing_copies 0"):
+        build_config("sft", preset="cpu", benchmark="scienceworld", sft_missing_copies=1)
+
+
 @pytest.mark.slow
 def test_export_at_writes_the_model_of_an_earlier_step_under_a_cosine_schedule(source, tmp_path):
     """``--export-at 1 DIR``: the step-1 model of the run (the weaker student), besides the final ``--export``;

@@ -20,7 +20,7 @@ METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallbac
 PRESETS = ("cpu", "gpu", "paper")
 ROLLOUT_MODES = ("async", "sync")
 SFT_THINKING = ("none", "state", "plan", "plan-here", "task-plan-here", "task-list-plan-here",
-                "task-list-act-here")
+                "task-list-act-here", "task-tool-act-here")
 """What an SFT demonstration thinks before its action: ``none`` (Qwen3's empty thinking block), ``state`` (ALFWorld:
 a short reasoning over what the prompt shows, ``jaxopd.methods.sft_data.state_thinking``) or ``plan`` (ALFWorld: that
 state and the step it calls for, the tool or the destination, ``jaxopd.methods.sft_data.plan_text``) or
@@ -29,7 +29,9 @@ state and the step it calls for, the tool or the destination, ``jaxopd.methods.s
 when the agent stands at the tool, ``jaxopd.methods.sft_data.task_plan_here_text``) or ``task-list-plan-here`` (the
 same, with the object classes an arrival or an opening just listed copied after the instruction,
 ``jaxopd.methods.sft_data.task_list_plan_here_text``) or ``task-list-act-here`` (that, ending on the command to
-give at the agent's location when there is one, ``jaxopd.methods.sft_data.task_list_act_here_text``)."""
+give at the agent's location when there is one, ``jaxopd.methods.sft_data.task_list_act_here_text``) or
+``task-tool-act-here`` (that, with the change task's verb and tool said right after the instruction in every turn,
+``jaxopd.methods.sft_data.task_tool_act_here_text``)."""
 SFT_DEMONSTRATIONS = {"walkthrough": "solution", "searching-expert": "searching_expert"}
 """What SFT imitates, each with the ``envs.references`` kind of its references: the planner's walkthrough (it knows
 where everything lies; ScienceWorld's gold path), or ALFWorld's searching expert (``envs.alfworld_expert``: it looks
@@ -120,6 +122,7 @@ class RunConfig:
     sft_arrival_copies: int = 0              # ... and of the turns after a ``go to`` or ``open`` (sft_data.FOCUS_TURNS)
     sft_change_copies: int = 0               # ... and of the turns holding the goal object still to change
     sft_refused_copies: int = 0              # ... and of the turns after one refused command (sft_data.refused_turn)
+    sft_missing_copies: int = 0              # ... and after a go to a missing receptacle (sft_data.missing_turn)
     lr_schedule: str = "constant"            # SFT only: "cosine" warms up over 5 % of the steps, then decays to 10 %
 
     def __post_init__(self):
@@ -145,7 +148,7 @@ class RunConfig:
             raise ValueError(f"a {self.lr_schedule} learning-rate schedule is for SFT's fixed number of steps; the "
                              "distillation methods keep the papers' constant rate")
         for name in ("sft_renamed_copies", "sft_take_copies", "sft_arrival_copies", "sft_change_copies",
-                     "sft_refused_copies"):
+                     "sft_refused_copies", "sft_missing_copies"):
             if getattr(self, name) and self.benchmark != "alfworld":
                 raise ValueError(f"renamed demonstration copies rename ALFWorld's classes; ScienceWorld SFT has none "
                                  f"({name} 0)")
@@ -166,7 +169,8 @@ class RunConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"RunConfig.{name} must be a positive integer or None, got {value!r}")
         for name in ("max_version_lag", "eval_every", "second_stage_tokens", "top_k", "sft_renamed_copies",
-                     "sft_take_copies", "sft_arrival_copies", "sft_change_copies", "sft_refused_copies"):
+                     "sft_take_copies", "sft_arrival_copies", "sft_change_copies", "sft_refused_copies",
+                     "sft_missing_copies"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"RunConfig.{name} must be a non-negative integer, got {value!r}")

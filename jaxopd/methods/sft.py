@@ -28,7 +28,7 @@ from jaxopd.methods.benchmarks import TRAIN_SPLIT, BenchmarkSource, references_f
 from jaxopd.methods.config import SFT_DEMONSTRATIONS, RunConfig
 from jaxopd.methods.loop import batch_length
 from jaxopd.methods.metrics_log import MetricsWriter
-from jaxopd.methods.sft_data import FOCUS_TURNS, SFTDataset, WalkthroughStats, refused_turn, walkthrough_samples
+from jaxopd.methods.sft_data import FOCUS_TURNS, REWRITTEN_TURNS, SFTDataset, WalkthroughStats, walkthrough_samples
 from jaxopd.models.qwen3 import Qwen3
 from jaxopd.train.buffer import Sample, collate_samples
 from jaxopd.train.checkpoint import TrainCheckpointer
@@ -61,7 +61,9 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
     (``sft_data.FOCUS_TURNS``: the turns where the answer says whether the goal object is in view, which a
     free-running teacher got wrong, results/train stop 28), ``sft_change_copies`` of the turns holding the goal object
     still to clean, heat or cool (``FOCUS_TURNS["change"]``); then ``sft_refused_copies`` renamed copies of the turns
-    after one more, refused, command (``sft_data.refused_turn``: the same step after "Nothing happens."). Raises
+    after one more, refused, command (``sft_data.refused_turn``: the same step after "Nothing happens."), and
+    ``sft_missing_copies`` of the turns after a refused ``go to`` a receptacle the room lacks
+    (``sft_data.missing_turn``). Raises
     ``ValueError`` when no demonstration succeeded."""
     tasks = subset(source.tasks(TRAIN_SPLIT[config.benchmark]), config.train_tasks, seed=config.seed)
     kind = SFT_DEMONSTRATIONS[config.sft_demonstrations]
@@ -83,10 +85,12 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
                                          benchmark=config.benchmark, thinking=config.sft_thinking)
     copy = config.sft_renamed_copies                     # each further copy gets a renaming no copy before used
     for focus, copies in (("take", config.sft_take_copies), ("arrival", config.sft_arrival_copies),
-                          ("change", config.sft_change_copies), ("refused", config.sft_refused_copies)):
+                          ("change", config.sft_change_copies), ("refused", config.sft_refused_copies),
+                          ("missing", config.sft_missing_copies)):
         for _ in range(copies):
             copy += 1
-            selection = {"rewrite": refused_turn} if focus == "refused" else {"keep": FOCUS_TURNS[focus]}
+            selection = ({"rewrite": REWRITTEN_TURNS[focus]} if focus in REWRITTEN_TURNS
+                         else {"keep": FOCUS_TURNS[focus]})
             more, more_stats = walkthrough_samples(renamed(copy), tokenizer, max_prompt_tokens=config.max_prompt_tokens,
                                                    benchmark=config.benchmark, thinking=config.sft_thinking,
                                                    **selection)

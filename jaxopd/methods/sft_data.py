@@ -35,7 +35,9 @@ from jaxopd.rollout.tags import ACTION_END, ACTION_START, THINK_END, THINK_START
 from jaxopd.train.buffer import Sample
 
 __all__ = ["SFT_MODE", "response_text", "state_thinking", "state_text", "plan_text", "plan_here_text",
-           "task_plan_here_text", "task_list_plan_here_text", "listing_sentence", "THINKING_RULES",
+           "task_plan_here_text", "task_list_plan_here_text", "listing_sentence", "task_list_act_here_text",
+           "tool_sentence", "task_tool_act_here_text", "refused_turn", "missing_receptacle", "missing_turn",
+           "REWRITTEN_TURNS", "THINKING_RULES",
            "thinking_text", "WalkthroughTurn",
            "walkthrough_turns", "WalkthroughStats", "walkthrough_samples", "SFTDataset"]
 
@@ -289,9 +291,38 @@ def task_list_act_here_text(state: TaskState) -> str:
     return f"{text} I can {command}." if command else text
 
 
+def tool_sentence(goal) -> str | None:
+    """The sentence that names a change task's command verb and tool class (``envs.alfworld_state.CHANGE_TOOLS``):
+    ``"Tool: heat it with a microwave."``; None for a task that changes nothing."""
+    if goal.tool is None:
+        return None
+    verb, tool = goal.tool
+    return f"Tool: {verb} it with a {tool}."
+
+
+def task_tool_act_here_text(state: TaskState) -> str:
+    """:func:`task_list_act_here_text` with :func:`tool_sentence` right after the restated instruction, in every
+    turn of a task that cleans, heats or cools (``--sft-thinking task-tool-act-here``): ``"Your task is to: put a
+    clean bowl in microwave. Tool: clean it with a sinkbasin. I need a bowl. I am at cabinet 3."``
+
+    Why. Stop 30's ``task-list-act-here`` teacher said the wrong verb or tool in 77 of its 102 play rounds that
+    hold the object still to change ("put a clean bowl in microwave" → "I must heat it with a microwave."; after a
+    pickup at a tool receptacle, it named that receptacle in 23 of 32 episodes). The only demonstrations of the
+    instruction-to-tool map were those rounds, 194 of the 2,329 expert turns, and the tool word was written after
+    several receptacle names. Here the map is written in every turn of a change task (about half of the corpus),
+    three tokens after the instruction's adjective and before any receptacle of the room is named; the later
+    "I must clean it with a sinkbasin." and the change command copy the verb and tool from it."""
+    text = task_list_act_here_text(state)
+    sentence = tool_sentence(state.goal)
+    if sentence is None:
+        return text
+    instruction = state.goal.instruction
+    return f"{instruction} {sentence}{text[len(instruction):]}"
+
+
 THINKING_RULES = {"state": state_text, "plan": plan_text, "plan-here": plan_here_text,
                   "task-plan-here": task_plan_here_text, "task-list-plan-here": task_list_plan_here_text,
-                  "task-list-act-here": task_list_act_here_text}
+                  "task-list-act-here": task_list_act_here_text, "task-tool-act-here": task_tool_act_here_text}
 """The words of each ``SFT_THINKING`` value but ``none`` for a ``TaskState``: the one table SFT writes from and
 ``jaxopd.methods.transcripts`` compares an agent's thinking with."""
 
@@ -401,11 +432,46 @@ def refused_turn(turn: WalkthroughTurn) -> WalkthroughTurn | None:
     before = _state_of(inputs, "refused-turn")
     if before.location is None:
         return None
-    refused_pair = (inputs.observation, f"go to {before.location}")
-    refused = dataclasses.replace(inputs, history=(*inputs.history, refused_pair), observation=REFUSED_FEEDBACK)
+    return _after_refusal(turn, before, f"go to {before.location}")
+
+
+def missing_receptacle(inputs: PromptInputs, location: str) -> str:
+    """The receptacle one past the last of ``location``'s class that the room has (``drawer 3`` in a room with
+    drawers 1 and 2): the room's receptacles are the targets of the admissible ``go to`` commands, and the agent's
+    own location."""
+    recep_class = location.split()[0]
+    numbers = [int(name.rsplit(" ", 1)[1]) for name in
+               [location] + [a[len("go to "):] for a in inputs.admissible_actions if a.startswith("go to ")]
+               if name.split()[0] == recep_class and name.rsplit(" ", 1)[1].isdigit()]
+    return f"{recep_class} {max(numbers) + 1}"
+
+
+def missing_turn(turn: WalkthroughTurn) -> WalkthroughTurn | None:
+    """``turn`` after a ``go to`` a receptacle the room does not have, refused ("Nothing happens."): one past the
+    last of the class the agent stands at (:func:`missing_receptacle`). Stop 30's teacher counted on past the room's
+    receptacles (``go to drawer 3`` with two drawers, ``go to garbagecan 2`` with one) and repeated the refused
+    command for many turns (one episode: 22 of its 30). As :func:`refused_turn`, the demonstrated action stays a_t,
+    and None before the first arrival and where the refusal hides what the next command needs."""
+    inputs = turn.inputs
+    if inputs.benchmark != "alfworld":
+        return None
+    before = _state_of(inputs, "missing-turn")
+    if before.location is None:
+        return None
+    return _after_refusal(turn, before, f"go to {missing_receptacle(inputs, before.location)}")
+
+
+def _after_refusal(turn: WalkthroughTurn, before: TaskState, command: str) -> WalkthroughTurn | None:
+    inputs = turn.inputs
+    refused = dataclasses.replace(inputs, history=(*inputs.history, (inputs.observation, command)),
+                                  observation=REFUSED_FEEDBACK)
     if command_here(expert_pick_first(_state_of(refused, "refused-turn"))) != command_here(expert_pick_first(before)):
         return None
     return dataclasses.replace(turn, inputs=refused)
+
+
+REWRITTEN_TURNS = {"refused": refused_turn, "missing": missing_turn}
+"""The turn rewrites SFT can add copies of (``RunConfig.sft_refused_copies`` / ``sft_missing_copies``)."""
 """The turn selections SFT can oversample (``RunConfig.sft_take_copies`` / ``sft_arrival_copies`` /
 ``sft_change_copies``)."""
 
