@@ -106,8 +106,8 @@ def run(args, argv) -> int:
         result.update(think_tokens=[first, total], free_running=free, free_running_answers=answers)
     kl_head = f" exact reverse KL to `{args.teacher}` (T {args.kl_temperature:g}) |" if teacher is not None else ""
     head = ("| model | response NLL | action exact (greedy) | goal object: p(first token) | goal object exact |"
-            + kl_head)
-    lines = [head, "|---|---|---|---|---|" + ("---|" if teacher is not None else "")]
+            " tool verb: p / exact |" + kl_head)
+    lines = [head, "|---|---|---|---|---|---|" + ("---|" if teacher is not None else "")]
 
     def cell(value):
         return "—" if value is None else f"{value:.3f}"
@@ -115,7 +115,8 @@ def run(args, argv) -> int:
     for folder, row in rows.items():
         lines.append(f"| `{folder}` | {row['response_nll']:.3f} | {cell(row['action_exact'])} "
                      f"({row['action_turns']} turns) | {cell(row['goal_object_prob'])} | "
-                     f"{cell(row['goal_object_exact'])} ({row['goal_mentions']} mentions) |"
+                     f"{cell(row['goal_object_exact'])} ({row['goal_mentions']} mentions) | "
+                     f"{cell(row['tool_verb_prob'])} / {cell(row['tool_verb_exact'])} ({row['tool_mentions']} turns) |"
                      + (f" {row['exact_reverse_kl']:.4f} |" if teacher is not None else ""))
     table = "\n".join(lines) + (f"\n\n{len(samples)} teacher-forced turns of {len(references)} `{args.split}` games "
                                 f"({args.demonstrations}, thinking {args.thinking}).\n")

@@ -85,6 +85,41 @@ def test_fit_matches_a_dense_recompute(setup):
     assert fit["response_nll"] > 11.0 and fit["goal_object_prob"] < 1e-4
 
 
+def test_tool_verb_matches_a_dense_recompute(setup):
+    """``tool_verb_prob`` / ``tool_verb_exact``: at the verb of the first "Tool: V it with a T." of a response, the
+    probability of its first token and whether every token is the argmax, by a dense forward pass; turns without the
+    sentence are not counted, and a response without any gives None."""
+    tokenizer, model, samples = setup
+    assert demonstration_fit(model, samples, tokenizer)["tool_verb_prob"] is None
+    tool_samples, probs, hits = [], [], []
+    for prompt, thinking in (("Task: cool some apple.", "Task: cool some apple. Tool: cool it with a fridge."),
+                             ("Task: put a hot egg in fridge.",
+                              "Tool: heat it with a microwave. Tool: cool it with a x."),
+                             ("Task: find a pen.", "I need a pen.")):
+        ids = tokenizer.encode(prompt)
+        response = tokenizer.encode(response_text("go to fridge 1", thinking)) + [tokenizer.eos_token_id]
+        tokens = np.array(ids + response)
+        mask = np.array([False] * len(ids) + [True] * len(response))
+        tool_samples.append(Sample(tokens=tokens, loss_mask=mask, behavior_logp=np.zeros(len(tokens), np.float32),
+                                   policy_version=0))
+        logits = np.asarray(model(tokens[None]))[0].astype(np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        positions = np.flatnonzero(mask)
+        pieces = [tokenizer.decode([int(t)]) for t in tokens[positions]]
+        text = "".join(pieces)
+        if "Tool: " not in text:
+            continue
+        at = text.index("Tool: ") + len("Tool: ")
+        span = token_spans(pieces, at, text.index(" it with", at))
+        probs.append(np.exp(logp[positions[span[0]] - 1, tokens[positions[span[0]]]]))
+        hits.append(all(logp[positions[i] - 1].argmax() == tokens[positions[i]] for i in span))
+    fit = demonstration_fit(model, tool_samples, tokenizer, batch_size=2)
+    assert fit["tool_mentions"] == len(probs) == 2
+    np.testing.assert_allclose(fit["tool_verb_prob"], np.mean(probs), rtol=1e-3)
+    assert fit["tool_verb_exact"] == np.mean(hits)
+
+
 def test_a_goal_absent_from_the_response_is_not_a_mention(setup):
     tokenizer, model, samples = setup
     fit = demonstration_fit(model, samples, tokenizer, goal_objects=["mug", None, "bowl"])

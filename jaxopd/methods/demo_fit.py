@@ -13,6 +13,10 @@ distribution given the demonstration's own prefix. From it:
   from ..."), the probability of its first token, and the fraction of mentions whose every token is the argmax.
   It measures whether the model copies the object from its instruction, which a model that only learned the
   answer format and the frequent objects does not.
+- ``tool_verb_prob`` / ``tool_verb_exact`` (``tool_mentions`` turns): the same at the verb of the response's first
+  tool sentence (``sft_data.tool_sentence``, "Tool: cool it with a fridge."; None without one): whether the model
+  reads the change word of its instruction (stop 31: 0.49 on training turns after 300 steps, where it copies the
+  tool from the verb at 0.997).
 
 A few seconds per dozen turns on CPU, against minutes for playing episodes.
 
@@ -36,7 +40,7 @@ from flax import nnx
 
 from envs.alfworld_state import without_restated_instruction
 from jaxopd.methods.divergence import supervised_log_softmax
-from jaxopd.methods.sft_data import says_in_view
+from jaxopd.methods.sft_data import says_in_view, tool_said
 from jaxopd.methods.transcripts import thinking_of
 from jaxopd.rollout.actions import extract_action
 from jaxopd.rollout.tags import ACTION_END, ACTION_START
@@ -85,6 +89,7 @@ def demonstration_fit(model: Any, samples: Sequence[Sample], tokenizer: Any, *,
     width = max(s.num_supervised for s in samples)
     nll, tokens_seen, action_turns, action_hits = 0.0, 0, 0, 0
     mentions, goal_prob, goal_hits = 0, 0.0, 0
+    tool_mentions, tool_prob, tool_hits = 0, 0.0, 0
     by_verb: dict[str, list[int]] = {}
     for start in range(0, len(samples), batch_size):
         chunk = list(samples[start:start + batch_size])
@@ -117,11 +122,20 @@ def demonstration_fit(model: Any, samples: Sequence[Sample], tokenizer: Any, *,
                 mentions += 1
                 goal_prob += float(np.exp(row_logp[span[0]]))
                 goal_hits += int(row_hit[span].all())
+            tool = tool_said(text)
+            if tool:
+                span = token_spans(pieces, tool.start(1), tool.end(1))
+                tool_mentions += 1
+                tool_prob += float(np.exp(row_logp[span[0]]))
+                tool_hits += int(row_hit[span].all())
     result: dict[str, Any] = {"turns": len(samples), "response_tokens": tokens_seen,
                               "response_nll": nll / max(tokens_seen, 1), "action_turns": action_turns,
                               "action_exact": action_hits / action_turns if action_turns else None,
                               "action_exact_by_verb": {verb: {"exact": hits, "turns": turns}
-                                                       for verb, (hits, turns) in sorted(by_verb.items())}}
+                                                       for verb, (hits, turns) in sorted(by_verb.items())},
+                              "tool_mentions": tool_mentions,
+                              "tool_verb_prob": tool_prob / tool_mentions if tool_mentions else None,
+                              "tool_verb_exact": tool_hits / tool_mentions if tool_mentions else None}
     if goal_objects is not None:
         result.update(goal_mentions=mentions, goal_object_prob=goal_prob / mentions if mentions else None,
                       goal_object_exact=goal_hits / mentions if mentions else None)

@@ -36,8 +36,8 @@ from jaxopd.train.buffer import Sample
 
 __all__ = ["SFT_MODE", "response_text", "state_thinking", "state_text", "plan_text", "plan_here_text",
            "task_plan_here_text", "task_list_plan_here_text", "listing_sentence", "task_list_act_here_text",
-           "tool_sentence", "task_tool_act_here_text", "refused_turn", "missing_receptacle", "missing_turn",
-           "REWRITTEN_TURNS", "THINKING_RULES",
+           "tool_sentence", "tool_said", "task_tool_act_here_text", "refused_turn", "missing_receptacle",
+           "missing_turn", "REWRITTEN_TURNS", "THINKING_RULES",
            "thinking_text", "WalkthroughTurn",
            "walkthrough_turns", "WalkthroughStats", "walkthrough_samples", "SFTDataset"]
 
@@ -298,6 +298,12 @@ def tool_sentence(goal) -> str | None:
         return None
     verb, tool = goal.tool
     return f"Tool: {verb} it with a {tool}."
+
+
+def tool_said(text: str | None) -> re.Match | None:
+    """Where ``text`` says :func:`tool_sentence` (the first one): a match whose groups 1 and 2 are the verb and the
+    tool class, or None."""
+    return re.search(r"\bTool: ([a-z]+) it with a ([a-z]+)\.", text or "")
 
 
 def task_tool_act_here_text(state: TaskState) -> str:
