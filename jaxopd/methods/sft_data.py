@@ -432,13 +432,7 @@ def refused_turn(turn: WalkthroughTurn) -> WalkthroughTurn | None:
     the same. None before the first arrival (no "here"), and where the state read from the new inputs calls for
     another command at the location (:func:`command_here`): a ``take`` or ``use`` needs the object listed in the
     current observation, which the refusal replaces."""
-    inputs = turn.inputs
-    if inputs.benchmark != "alfworld":
-        return None
-    before = _state_of(inputs, "refused-turn")
-    if before.location is None:
-        return None
-    return _after_refusal(turn, before, f"go to {before.location}")
+    return _after_refused_go_to(turn, lambda inputs, here: here)
 
 
 def missing_receptacle(inputs: PromptInputs, location: str) -> str:
@@ -458,17 +452,19 @@ def missing_turn(turn: WalkthroughTurn) -> WalkthroughTurn | None:
     receptacles (``go to drawer 3`` with two drawers, ``go to garbagecan 2`` with one) and repeated the refused
     command for many turns (one episode: 22 of its 30). As :func:`refused_turn`, the demonstrated action stays a_t,
     and None before the first arrival and where the refusal hides what the next command needs."""
+    return _after_refused_go_to(turn, missing_receptacle)
+
+
+def _after_refused_go_to(turn: WalkthroughTurn, target: Callable[[PromptInputs, str], str]
+                         ) -> WalkthroughTurn | None:
+    """``turn`` after a ``go to target(inputs, location)`` answered by the refusal (None: see :func:`refused_turn`)."""
     inputs = turn.inputs
     if inputs.benchmark != "alfworld":
         return None
-    before = _state_of(inputs, "missing-turn")
+    before = _state_of(inputs, "refused-turn")
     if before.location is None:
         return None
-    return _after_refusal(turn, before, f"go to {missing_receptacle(inputs, before.location)}")
-
-
-def _after_refusal(turn: WalkthroughTurn, before: TaskState, command: str) -> WalkthroughTurn | None:
-    inputs = turn.inputs
+    command = f"go to {target(inputs, before.location)}"
     refused = dataclasses.replace(inputs, history=(*inputs.history, (inputs.observation, command)),
                                   observation=REFUSED_FEEDBACK)
     if command_here(expert_pick_first(_state_of(refused, "refused-turn"))) != command_here(expert_pick_first(before)):
