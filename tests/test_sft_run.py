@@ -162,21 +162,18 @@ def test_take_copies_add_renamed_copies_of_the_take_turns_only(source):
         build_config("sft", preset="cpu", sft_take_copies=-1)
 
 
-def test_refused_copies_add_the_turns_after_a_refused_go_to(source):
-    """``sft_refused_copies=1``: after the corpus, one renamed copy of each turn ``refused_turn`` keeps, its prompt
-    ending on the refused ``go to`` and "Nothing happens.", its action the demonstrated one; and the engine does answer
-    a ``go to`` the receptacle the agent stands at with that refusal."""
+def _rewritten_copies(source, tokenizer, thinking, rewrite, **copies):
+    """The corpus without and with one copy of ``rewrite``'s turns: checks that exactly the turns it keeps are added,
+    after the base samples, each prompt ending on a refused ``go to``; returns the base corpus."""
     from envs.alfworld import REFUSED_FEEDBACK
     from jaxopd.methods.sft import sft_corpus
-    from jaxopd.methods.sft_data import refused_turn, walkthrough_turns
+    from jaxopd.methods.sft_data import walkthrough_turns
 
-    tokenizer = Qwen3Tokenizer()
-    base = sft_corpus(build_config("sft", preset="cpu", sft_thinking="task-list-act-here"), source, tokenizer,
+    base = sft_corpus(build_config("sft", preset="cpu", sft_thinking=thinking), source, tokenizer, progress=False)
+    more = sft_corpus(build_config("sft", preset="cpu", sft_thinking=thinking, **copies), source, tokenizer,
                       progress=False)
-    more = sft_corpus(build_config("sft", preset="cpu", sft_thinking="task-list-act-here", sft_refused_copies=1),
-                      source, tokenizer, progress=False)
     turns = [t for r in base.references.values() for t in walkthrough_turns(r)]
-    kept = [refused_turn(t) for t in turns]
+    kept = [rewrite(t) for t in turns]
     assert 0 < sum(k is not None for k in kept) < len(turns)
     assert len(more.samples) == len(base.samples) + sum(k is not None for k in kept)
     assert [s.tokens.tolist() for s in more.samples[:len(base.samples)]] == [s.tokens.tolist() for s in base.samples]
@@ -184,6 +181,17 @@ def test_refused_copies_add_the_turns_after_a_refused_go_to(source):
         text = tokenizer.decode(sample.tokens.tolist())
         prompt = text[:text.rindex("<think>")]
         assert f"{REFUSED_FEEDBACK}" in prompt[prompt.rindex("action] go to "):]
+    return base
+
+
+def test_refused_copies_add_the_turns_after_a_refused_go_to(source):
+    """``sft_refused_copies=1``: after the corpus, one renamed copy of each turn ``refused_turn`` keeps, its prompt
+    ending on the refused ``go to`` and "Nothing happens.", its action the demonstrated one; and the engine does answer
+    a ``go to`` the receptacle the agent stands at with that refusal."""
+    from envs.alfworld import REFUSED_FEEDBACK
+    from jaxopd.methods.sft_data import refused_turn
+
+    base = _rewritten_copies(source, Qwen3Tokenizer(), "task-list-act-here", refused_turn, sft_refused_copies=1)
     # the engine's answer to a go to where the agent stands
     reference = next(iter(base.references.values()))
     with source.env_factory() as env:
@@ -200,22 +208,9 @@ def test_missing_copies_add_the_turns_after_a_go_to_a_missing_receptacle(source)
     """``sft_missing_copies=1``: one renamed copy of each turn ``missing_turn`` keeps, its prompt ending on a ``go to``
     one past the last receptacle of the class here and "Nothing happens."; and the engine does refuse that command."""
     from envs.alfworld import REFUSED_FEEDBACK
-    from jaxopd.methods.sft import sft_corpus
     from jaxopd.methods.sft_data import missing_receptacle, missing_turn, walkthrough_turns
 
-    tokenizer = Qwen3Tokenizer()
-    base = sft_corpus(build_config("sft", preset="cpu", sft_thinking="task-tool-act-here"), source, tokenizer,
-                      progress=False)
-    more = sft_corpus(build_config("sft", preset="cpu", sft_thinking="task-tool-act-here", sft_missing_copies=1),
-                      source, tokenizer, progress=False)
-    turns = [t for r in base.references.values() for t in walkthrough_turns(r)]
-    kept = [missing_turn(t) for t in turns]
-    assert 0 < sum(k is not None for k in kept) < len(turns)
-    assert len(more.samples) == len(base.samples) + sum(k is not None for k in kept)
-    for sample in more.samples[len(base.samples):]:
-        text = tokenizer.decode(sample.tokens.tolist())
-        prompt = text[:text.rindex("<think>")]
-        assert f"{REFUSED_FEEDBACK}" in prompt[prompt.rindex("action] go to "):]
+    base = _rewritten_copies(source, Qwen3Tokenizer(), "task-tool-act-here", missing_turn, sft_missing_copies=1)
     # the engine refuses a go to one past the last receptacle of the class where the agent arrived
     reference = next(iter(base.references.values()))
     first_turns = walkthrough_turns(reference)
