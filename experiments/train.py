@@ -32,8 +32,8 @@ from jaxopd.methods.config import METHODS, PRESETS, SFT_DEMONSTRATIONS, SFT_THIN
 from jaxopd.train.step import LR_SCHEDULES
 
 FLAG_FIELDS = ("benchmark", "games", "student", "teacher", "student_model_preset", "teacher_model_preset", "updates",
-               "batch_size", "rollout_slots", "rollout_mode", "collection_tasks", "train_tasks", "checkpoint_every",
-               "keep_checkpoints", "seed",
+               "batch_size", "rollout_slots", "rollout_mode", "rollout_backlog", "collection_tasks", "train_tasks",
+               "checkpoint_every", "keep_checkpoints", "seed",
                "learning_rate", "loss", "max_turns", "max_prompt_tokens", "max_train_tokens", "first_stage_tokens",
                "total_tokens", "second_stage_tokens", "fast_action_tokens", "temperature", "eval_split",
                "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "sft_demonstrations",
@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollout-mode", default=None, choices=("async", "sync"),
                    help="async: the papers' streaming runners (default); sync: waves in task order between "
                         "updates, reproducible (a killed and resumed run gives the same losses)")
+    p.add_argument("--rollout-backlog", type=int, default=None, metavar="SAMPLES",
+                   help="async: samples the runners may keep ahead of the trainer (default: batch size x "
+                        "(max version lag + 1)); 0: no bound, runners never pause")
     p.add_argument("--collection-tasks", type=int, default=None)
     p.add_argument("--train-tasks", type=int, default=None, help="train on a seeded subset of this many tasks")
     p.add_argument("--checkpoint-every", type=int, default=None)

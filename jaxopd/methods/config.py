@@ -53,6 +53,12 @@ class RunConfig:
     steps, so which sample lands in which batch depends on thread timing) or ``sync`` (reproducible: between two
     updates the runners play waves of ``rollout_slots`` episodes in task order with the current weights, and
     their samples enter the buffer in task order; a run, killed and resumed or not, gives the same losses).
+
+    ``rollout_backlog`` (async): how many samples the runners may keep ahead of the trainer, counting the fresh
+    samples buffered and, for each episode in flight or delivered but not yet buffered, the mean sample count of
+    the episodes delivered so far (``max_turns`` before the first); a runner starts an episode only below it.
+    None: ``batch_size * (max_version_lag + 1)``, as many as the version-lag bound lets the trainer use; 0: no
+    bound (runners play without pause, and what the trainer cannot take in time is dropped as stale).
     """
 
     method: str = "actfirst"
@@ -72,6 +78,7 @@ class RunConfig:
     train_tasks: int | None = None
     max_version_lag: int = 1
     rollout_mode: str = "async"
+    rollout_backlog: int | None = None
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
     seed: int = 42
@@ -164,6 +171,11 @@ class RunConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RunConfig.{name} must be a positive integer, got {value!r}")
+        if self.rollout_backlog is not None and (isinstance(self.rollout_backlog, bool)
+                                                 or not isinstance(self.rollout_backlog, int)
+                                                 or self.rollout_backlog < 0):
+            raise ValueError(f"RunConfig.rollout_backlog must be a non-negative integer or None, "
+                             f"got {self.rollout_backlog!r}")
         for name in ("train_tasks", "eval_tasks", "logits_chunk_size", "max_supervised_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -199,6 +211,13 @@ class RunConfig:
     @property
     def resolved_eval_split(self) -> str:
         return self.eval_split or EVAL_SPLITS[self.benchmark][-1]
+
+    def backlog_limit(self) -> int | None:
+        """The samples the async runners may keep ahead of the trainer (``rollout_backlog`` resolved; None: no
+        bound)."""
+        if self.rollout_backlog is None:
+            return self.batch_size * (self.max_version_lag + 1)
+        return self.rollout_backlog or None
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)

@@ -89,9 +89,17 @@ class _Finished:
 
 class _Runners:
     """``slots`` host threads that play training tasks ``task_at(i)`` for i = cursor, cursor + 1, ... and put
-    every finished episode on ``results``. ``pause()`` stops starting episodes and waits for the running ones."""
+    every finished episode on ``results``. ``pause()`` stops starting episodes and waits for the running ones.
 
-    def __init__(self, strategy: Any, slots: int, task_at: Callable[[int], tuple[Task, Any, int]], start: int):
+    Backpressure: with a ``backlog`` (samples), a runner starts an episode only while the samples ahead of the
+    trainer (``queued``, the fresh samples the trainer reports buffered, plus ``per_episode`` for each episode
+    running or delivered and not yet taken in with ``delivered``) stay below it; one episode may always run.
+    Without it the runners play without pause and most of what they play goes stale before the trainer can take
+    it (2026-12-03, 10 CPU updates of vanilla OPD: 20 episodes played and 223 samples dropped without a bound, 11
+    and 33 with the default one, in the same wall-clock)."""
+
+    def __init__(self, strategy: Any, slots: int, task_at: Callable[[int], tuple[Task, Any, int]], start: int,
+                 *, backlog: int | None = None, per_episode: float = 1.0):
         self.strategy = strategy
         self.task_at = task_at
         self.results: queue.Queue[_Finished] = queue.Queue()
@@ -101,6 +109,13 @@ class _Runners:
         self._stop = threading.Event()
         self._busy = 0
         self._idle = threading.Condition(self._lock)
+        self._backlog = backlog
+        self._queued = 0
+        self._undelivered = 0       # episodes put on results and not yet taken in by the trainer
+        self._per_episode = float(per_episode)
+        self._episodes_seen = 0
+        self._samples_seen = 0
+        self.max_busy = 0           # the most episodes played at once (for tests and logs)
         self._threads = [threading.Thread(target=self._loop, args=(slot,), name=f"rollout-runner-{slot}",
                                           daemon=True) for slot in range(slots)]
         self._in_flight: set[int] = set()
@@ -108,12 +123,39 @@ class _Runners:
             thread.start()
 
     def resume(self) -> None:
-        self._running.set()
+        with self._idle:
+            self._running.set()
+            self._idle.notify_all()
 
     def pause(self) -> None:
-        self._running.clear()
         with self._idle:
+            self._running.clear()
+            self._idle.notify_all()
             self._idle.wait_for(lambda: self._busy == 0)
+
+    def report(self, queued: int) -> None:
+        """The trainer's count of fresh buffered samples (after it buffers or takes samples, or a version
+        passes)."""
+        with self._idle:
+            self._queued = int(queued)
+            self._idle.notify_all()
+
+    def delivered(self, samples: int, queued: int) -> None:
+        """The trainer took in one result of ``results`` that gave ``samples`` samples (0 for a failed
+        episode) and now holds ``queued`` fresh ones."""
+        with self._idle:
+            self._undelivered -= 1
+            if samples:
+                self._episodes_seen += 1
+                self._samples_seen += int(samples)
+                self._per_episode = self._samples_seen / self._episodes_seen
+            self._queued = int(queued)
+            self._idle.notify_all()
+
+    def _may_start(self) -> bool:
+        if self._backlog is None or self._busy + self._undelivered == 0:    # never let the trainer starve
+            return True
+        return self._queued + (self._busy + self._undelivered) * self._per_episode < self._backlog
 
     def low_water(self) -> int:
         """The first task index whose episode has not been delivered: where a resumed run starts again."""
@@ -121,8 +163,10 @@ class _Runners:
             return min(self._in_flight) if self._in_flight else self._next
 
     def close(self) -> None:
-        self._stop.set()
-        self._running.set()
+        with self._idle:
+            self._stop.set()
+            self._running.set()
+            self._idle.notify_all()
         for thread in self._threads:
             thread.join(timeout=600)
 
@@ -131,12 +175,16 @@ class _Runners:
             self._running.wait()
             if self._stop.is_set():
                 return
-            with self._lock:
+            with self._idle:
+                self._idle.wait_for(lambda: self._stop.is_set() or not self._running.is_set() or self._may_start())
+                if self._stop.is_set():
+                    return
                 if not self._running.is_set():
                     continue
                 index = self._next
                 self._next += 1
                 self._busy += 1
+                self.max_busy = max(self.max_busy, self._busy)
                 self._in_flight.add(index)
             try:
                 task, reference, seed = self.task_at(index)
@@ -145,6 +193,8 @@ class _Runners:
                     finished = _Finished(index, trajectory)
                 except Exception as error:  # noqa: BLE001 - one failed episode never stops the run
                     finished = _Finished(index, None, f"{type(error).__name__}: {error}")
+                with self._idle:
+                    self._undelivered += 1
                 self.results.put(finished)
             finally:
                 with self._idle:
@@ -304,7 +354,9 @@ class Trainer:
                 from tqdm import tqdm
                 progress = tqdm(total=config.updates, initial=version, desc=f"{config.method} updates", unit="update")
             if not method.trains_in_collections and config.rollout_mode == "async":
-                runners = _Runners(strategy, config.rollout_slots, self._task_at, int(meta["cursor"]))
+                runners = _Runners(strategy, config.rollout_slots, self._task_at, int(meta["cursor"]),
+                                   backlog=config.backlog_limit(), per_episode=config.max_turns)
+                runners.report(buffer.available(version))
                 runners.resume()
             pending: list[Trajectory] = []
             wall_start = time.perf_counter() - float(meta["wall_s"])
@@ -345,6 +397,7 @@ class Trainer:
                     while buffer.available(version) < config.batch_size:
                         finished = runners.results.get()
                         if finished.trajectory is None:
+                            runners.delivered(0, buffer.available(version))
                             meta["failed_episodes"] += 1
                             failed_in_a_row += 1
                             self.log(f"training episode {finished.index} failed: {finished.error}")
@@ -355,7 +408,9 @@ class Trainer:
                         failed_in_a_row = 0
                         meta["episodes"] += 1
                         pending.append(finished.trajectory)
-                        buffer.add(self._fit(method.samples([finished.trajectory])))
+                        fitted = self._fit(method.samples([finished.trajectory]))
+                        buffer.add(fitted)
+                        runners.delivered(len(fitted), buffer.available(version))
                         meta["cursor"] = runners.low_water()
                 timings["rollout_s"] = time.perf_counter() - t0
                 # 2. checkpoint with the next batch buffered: a resume takes the same batch
@@ -392,6 +447,8 @@ class Trainer:
                 engine.update_weights(sync(state.params, version).params, version=version)
                 strategy.policy_version = version
                 timings["sync_s"] = time.perf_counter() - t1
+                if runners is not None:     # the batch left the buffer, and the version moved on
+                    runners.report(buffer.available(version))
                 record = {**metrics, **timings, **self._batch_stats(samples, host_batch, version),
                           **self._rollout_stats(pending), "wall_s": time.perf_counter() - wall_start,
                           "buffer": len(buffer), "dropped_stale": buffer.stats.dropped_stale,
