@@ -21,6 +21,7 @@ from envs.alfworld_engine import (
     ENGINE_LOCK,
     GAME_FILE,
     INDEX_FILE,
+    REFUSED_FEEDBACK,
     TASK_TYPES,
     TRAJ_FILE,
     AlfredEngine,
@@ -35,9 +36,6 @@ __all__ = ["BENCHMARK", "TASK_TYPES", "ALFWORLD_SPLITS", "GAME_FILE", "TRAJ_FILE
 
 _BANNER = "-= Welcome to TextWorld, ALFRED! =-"
 _TASK_LINE = re.compile(r"^\s*(Your task is to:.*?)\s*$", re.MULTILINE)
-REFUSED_FEEDBACK = "Nothing happens."
-"""The engine's answer to a command it does not execute (alfworld 0.4), and ``AlfWorldEnv``'s to one outside the
-admissible set."""
 
 
 class NoGamesError(ValueError):

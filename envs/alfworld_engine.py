@@ -31,6 +31,9 @@ GAME_FILE = "game.tw-pddl"
 TRAJ_FILE = "traj_data.json"
 INDEX_FILE = "index.json"          # written by envs.alfworld_gen; lists the games of a generated tree
 DATA_SUBDIR = "json_2.1.1"         # the official release keeps its splits under this folder
+REFUSED_FEEDBACK = "Nothing happens."
+"""The engine's answer to a command it does not execute (alfworld 0.4), and ``AlfWorldEnv``'s to one outside the
+admissible set."""
 
 _EXCLUDED_COMMANDS = frozenset({"help"})
 

@@ -17,7 +17,7 @@ import functools
 import re
 from typing import Sequence
 
-from envs.alfworld_engine import TASK_TYPES
+from envs.alfworld_engine import REFUSED_FEEDBACK, TASK_TYPES
 
 __all__ = ["ALFWORLD_GOAL_TYPES", "CHANGE_TOOLS", "INSTRUCTION_PREFIX", "Goal", "parse_goal",
            "without_restated_instruction", "goal_of_task_id", "TaskState", "task_state",
@@ -158,7 +158,8 @@ class TaskState:
     ``lamps_in_view`` (look tasks: the lamps it names); ``location`` (the receptacle of the last ``go to`` the
     engine answered with an arrival, None before) and ``location_closed`` (the engine said it is closed, and it
     was not opened since); ``listed`` (the object classes the current observation lists at an arrival or an
-    opening, :func:`objects_listed`; None when it lists none)."""
+    opening, :func:`objects_listed`; None when it lists none); ``refused`` (the last executed command when the
+    engine refused it, answering ``REFUSED_FEEDBACK``: ``"go to drawer 4"``; None otherwise)."""
 
     goal: Goal
     held: str | None
@@ -169,6 +170,7 @@ class TaskState:
     location: str | None = None
     location_closed: bool = False
     listed: tuple[str, ...] | None = None
+    refused: str | None = None
 
 
 def task_state(goal: Goal, actions: Sequence[str], answers: Sequence[str], observation: str) -> TaskState:
@@ -213,4 +215,5 @@ def task_state(goal: Goal, actions: Sequence[str], answers: Sequence[str], obser
                      in_view=tuple(name for name in objects_in_view(observation, goal.obj)
                                    if name != held and name not in placed),
                      lamps_in_view=lamps, location=location, location_closed=closed,
-                     listed=objects_listed(observation))
+                     listed=objects_listed(observation),
+                     refused=actions[-1] if actions and answers[-1].strip() == REFUSED_FEEDBACK else None)

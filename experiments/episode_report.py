@@ -59,14 +59,15 @@ def _of(count: Mapping[str, Any]) -> str:
 
 def markdown(rows: Mapping[str, Mapping[str, Any]], thinking: str) -> str:
     head = ("| evaluation | episodes | held a goal object | changed it | put one in place | won | moves refused | "
-            f"repeats | thinking = {thinking} rule | thinking names goal | named in view, taken | command said, "
+            f"repeats | refused, given again | thinking = {thinking} rule | thinking names goal | named in view, "
+            "taken | command said, "
             "done | change said, right |")
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for label, row in rows.items():
         funnel = row["funnel"]
         cells = [f"{funnel[s]['episodes']}/{funnel[s]['of']}" for s in STAGES]
         lines.append(f"| {label} | {row['episodes']} | " + " | ".join(cells) + f" | {_pct(row['refused'])} | "
-                     f"{_pct(row['repeated'])} | {_pct(row['thinking_faithful'])} | "
+                     f"{_pct(row['repeated'])} | {_of(row['refusal_repeated'])} | {_pct(row['thinking_faithful'])} | "
                      f"{_pct(row['thinking_names_goal'])} | "
                      + " | ".join(_of(row[name]) for name in ("named_taken", "command_followed", "change_right"))
                      + " |")

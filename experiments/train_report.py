@@ -8,6 +8,14 @@ training wall-clock (evaluation excluded) and the mean seconds per update spent 
 sync. Writes ``<out>/README.md`` (table), ``<out>/runs.json``, ``success_vs_update.png`` /
 ``success_vs_wallclock.png`` over all runs, and copies each run's summary, metrics and evaluation tables into
 ``<out>/<run name>/`` (checkpoints and exported weights are not copied).
+
+Runs trained with ``--no-eval`` are evaluated afterwards by ``python -m experiments.evaluate`` on their exported
+students; ``--evaluation RUN UPDATE DIR`` joins such an evaluation (its ``evaluation.json``) to run ``RUN`` (a run
+folder's name) at update ``UPDATE`` (0: the student the run started from), at the training wall-clock the run had
+reached then, so the table and the learning curves hold it like an evaluation made during training:
+
+    python -m experiments.train_report runs/a/actfirst --evaluation actfirst 0 runs/eval/student \
+        --evaluation actfirst 80 runs/eval/actfirst --out results/train/a
 """
 from __future__ import annotations
 
@@ -30,11 +38,40 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def describe_run(folder: Path) -> dict[str, Any]:
+def external_evaluation(train: Sequence[dict[str, Any]], update: int, folder: Path) -> dict[str, Any]:
+    """An evaluation of ``python -m experiments.evaluate`` (its ``folder``) as the eval record of a run at
+    ``update``: success and rounds over seeds from the first split's summary, and the training wall-clock of the
+    run's update ``update`` in ``train`` (0 for update 0, the starting student). ``UsageError`` for a folder
+    without ``evaluation.json`` or an update the run's metrics do not hold."""
+    path = folder / "evaluation.json"
+    if not path.is_file():
+        raise cli.UsageError(f"--evaluation {str(folder)!r}: no evaluation.json (a python -m experiments.evaluate "
+                             "output folder is needed)")
+    if update == 0:
+        wall_s = 0.0
+    else:
+        walls = [r["wall_s"] for r in train if r.get("step") == update and "wall_s" in r]
+        if not walls:
+            raise cli.UsageError(f"--evaluation at update {update}: the run's train.jsonl has no update {update} "
+                                 f"(it ends at {train[-1]['step'] if train else 0})")
+        wall_s = float(walls[-1])
+    summary = json.loads(path.read_text())["summaries"][0]
+    overall = summary["overall"]
+    return {"step": update, "wall_s": wall_s, "success_rate_mean": overall["success_rate"]["mean"],
+            "success_rate_std": overall["success_rate"]["std"], "mean_rounds_mean": overall["mean_rounds"]["mean"],
+            "tasks": summary["num_tasks"], "seeds": summary["seeds"], "split": summary["split"],
+            "evaluation": str(folder)}
+
+
+def describe_run(folder: Path, evaluations: Sequence[tuple[int, Path]] = ()) -> dict[str, Any]:
+    """The report row of run ``folder``; ``evaluations`` (update, evaluation folder) join its in-training ones
+    (:func:`external_evaluation`; one at the same update replaces it)."""
     summary = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").is_file() else {}
     config = json.loads((folder / "config.json").read_text())
     train = read_jsonl(folder / "train.jsonl")
     evals = [r for r in read_jsonl(folder / "eval.jsonl") if r.get("success_rate_mean") is not None]
+    joined = {update: external_evaluation(train, update, path) for update, path in evaluations}
+    evals = sorted([r for r in evals if r["step"] not in joined] + list(joined.values()), key=lambda r: r["step"])
     row: dict[str, Any] = {"run": folder.name, "method": config["method"], "command": summary.get("command"),
                            "updates": train[-1]["step"] if train else 0,
                            "train_wall_s": train[-1]["wall_s"] if train else None}
@@ -112,8 +149,27 @@ def plot_reverse_kl(folders: Sequence[Path], path: Path) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.Parser(prog="python -m experiments.train_report", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders of python -m experiments.train")
+    parser.add_argument("--evaluation", nargs=3, action="append", default=[], metavar=("RUN", "UPDATE", "DIR"),
+                        help="join an evaluation folder of python -m experiments.evaluate to run RUN (a run "
+                             "folder's name) at update UPDATE (0: the starting student); repeatable")
     parser.add_argument("--out", required=True)
     return parser
+
+
+def _evaluations(folders: Sequence[Path], given: Sequence[Sequence[str]]) -> dict[str, list[tuple[int, Path]]]:
+    names = {f.name for f in folders}
+    joined: dict[str, list[tuple[int, Path]]] = {}
+    for run, update, path in given:
+        if run not in names:
+            raise cli.UsageError(f"--evaluation {run!r}: not one of the runs ({', '.join(sorted(names))})")
+        try:
+            step = int(update)
+        except ValueError:
+            raise cli.UsageError(f"--evaluation {run} {update!r}: the update must be a whole number") from None
+        if step < 0:
+            raise cli.UsageError(f"--evaluation {run} {update}: the update must be >= 0")
+        joined.setdefault(run, []).append((step, cli.check_input_folder("--evaluation", path)))
+    return joined
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -126,8 +182,9 @@ def _main(args: argparse.Namespace) -> int:
     missing = [str(f) for f in folders if not (f / "config.json").is_file()]
     if missing:
         raise cli.UsageError(f"not a training run folder (no config.json): {', '.join(missing)}")
+    evaluations = _evaluations(folders, args.evaluation)
     out = cli.check_out_dir("--out", args.out)
-    rows = [describe_run(f) for f in folders]
+    rows = [describe_run(f, evaluations.get(f.name, ())) for f in folders]
     for folder in folders:
         target = out / folder.name
         target.mkdir(exist_ok=True)
@@ -139,6 +196,12 @@ def _main(args: argparse.Namespace) -> int:
                 destination = target / "eval" / evaluation.name
                 destination.mkdir(parents=True, exist_ok=True)
                 for item in evaluation.iterdir():
+                    shutil.copy2(item, destination / item.name)
+        for update, evaluation in evaluations.get(folder.name, ()):
+            destination = target / "eval" / f"update_{update:05d}"
+            destination.mkdir(parents=True, exist_ok=True)
+            for item in evaluation.iterdir():
+                if item.is_file():
                     shutil.copy2(item, destination / item.name)
     history = [point for row in rows for point in row["history"]]
     if history:

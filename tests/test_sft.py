@@ -692,6 +692,48 @@ def test_task_tool_act_here_thinking_by_hand():
     assert thinking_text(_inputs(pick, at, ""), tool) == thinking_text(_inputs(pick, at, ""), "task-list-act-here")
 
 
+def test_task_tool_refused_act_here_thinking_by_hand():
+    """Task-tool-refused-act-here thinking: after a refused command, "Refused: <command>." right after the
+    instruction (and the change task's tool sentence), the rest as task-tool-act-here; in every other turn exactly
+    the task-tool-act-here words. A missing-receptacle copy of a demonstration turn says the command it refused."""
+    pytest.importorskip("alfworld")
+    import dataclasses
+
+    from envs.alfworld_state import parse_goal, task_state
+    from jaxopd.methods.sft_data import WalkthroughTurn, missing_turn, thinking_text
+
+    rule, base = "task-tool-refused-act-here", "task-tool-act-here"
+    look = "Your task is to: examine the cd with the desklamp."
+    held = [("go to drawer 2", "You arrive at drawer 2. The drawer 2 is open. In it, you see a cd 1."),
+            ("take cd 1 from drawer 2", "You pick up the cd 1 from the drawer 2."),
+            ("go to drawer 3", "You arrive at drawer 3. The drawer 3 is closed.")]
+    assert thinking_text(_inputs(look, held, ""), rule) == thinking_text(_inputs(look, held, ""), base)
+    refused = held + [("go to drawer 4", "Nothing happens.")]
+    assert thinking_text(_inputs(look, refused, ""), rule) == (
+        look + " Refused: go to drawer 4. I hold cd 1. I need a desklamp. I am at drawer 3. It is closed.")
+    assert thinking_text(_inputs(look, refused, ""), base) == (
+        look + " I hold cd 1. I need a desklamp. I am at drawer 3. It is closed.")
+    # the refusal is the last answer only: a later command that the engine executes clears it
+    opened = refused + [("open drawer 3", "You open the drawer 3. The drawer 3 is open. In it, you see nothing.")]
+    assert "Refused" not in thinking_text(_inputs(look, opened, ""), rule)
+    assert task_state(parse_goal(look), [a for a, _ in refused], [o for _, o in refused],
+                      "Nothing happens.").refused == "go to drawer 4"
+    assert task_state(parse_goal(look), [a for a, _ in held], [o for _, o in held], held[-1][1]).refused is None
+    clean = "Your task is to: put a clean bowl in microwave."
+    nothing = [("go to cabinet 1", "You arrive at cabinet 1. The cabinet 1 is closed."),
+               ("take bowl 1 from cabinet 1", "Nothing happens.")]
+    assert thinking_text(_inputs(clean, nothing, ""), rule) == (
+        clean + " Tool: clean it with a sinkbasin. Refused: take bowl 1 from cabinet 1. I need a bowl. "
+                "I am at cabinet 1. It is closed.")
+    room = ("go to drawer 1", "go to drawer 2", "go to cabinet 4", "look")
+    at = [("go to drawer 2", "You arrive at drawer 2. The drawer 2 is closed.")]
+    turn = WalkthroughTurn("t", 2, dataclasses.replace(_inputs(clean, at, ""), admissible_actions=room),
+                           "open drawer 2")
+    assert thinking_text(missing_turn(turn).inputs, rule) == (
+        clean + " Tool: clean it with a sinkbasin. Refused: go to drawer 3. I need a bowl. I am at drawer 2. "
+                "It is closed.")
+
+
 def test_refused_turn_by_hand():
     """A refused-command turn: the history gains (o_t, go to <here>), the observation is the refusal, the action
     stays; none before the first arrival, nor where the refusal hides what the command needs (an object in view)."""

@@ -73,6 +73,8 @@ def test_transcript_counts_by_hand():
     assert counts["episodes"] == 2 and counts["rounds"] == 8
     assert counts["refused"] == pytest.approx(3 / 8)
     assert counts["repeated"] == pytest.approx(1 / 8)
+    # after a refusal: the cool episode moves on; the look episode gives "go to drawer 1" again, then "look"
+    assert counts["refusal_repeated"] == {"rounds": 1, "of": 3, "share": pytest.approx(1 / 3)}
     # faithful: the cool episode's rounds 1, 2, 3 and 5 (round 4 should have said "I must cool it with a fridge."),
     # the look episode's round 1 ("I need a cd."); 7 rounds have thinking
     assert counts["thinking_faithful"] == pytest.approx(5 / 8)
@@ -110,7 +112,7 @@ def test_episode_report_cli(tmp_path, capsys):
     assert report["evaluations"]["one"]["funnel"]["won"]["episodes"] == 1
     assert report["evaluations"]["two"]["refused"] == pytest.approx(2 / 3)
     table = (out / "transcripts.md").read_text()
-    assert "| one | 2 | 1/2 | 1/1 | 1/1 | 1/2 | 37.5 % | 12.5 % | 62.5 % | 75.0 % |" in table
+    assert "| one | 2 | 1/2 | 1/1 | 1/1 | 1/2 | 37.5 % | 12.5 % | 1/3 | 62.5 % | 75.0 % |" in table
     assert (out / "funnel.png").stat().st_size > 0
     capsys.readouterr()
     assert main(["--eval", "x", "--out", str(out)]) == 2

@@ -20,7 +20,7 @@ METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallbac
 PRESETS = ("cpu", "gpu", "paper")
 ROLLOUT_MODES = ("async", "sync")
 SFT_THINKING = ("none", "state", "plan", "plan-here", "task-plan-here", "task-list-plan-here",
-                "task-list-act-here", "task-tool-act-here")
+                "task-list-act-here", "task-tool-act-here", "task-tool-refused-act-here")
 """What an SFT demonstration thinks before its action: ``none`` (Qwen3's empty thinking block), ``state`` (ALFWorld:
 a short reasoning over what the prompt shows, ``jaxopd.methods.sft_data.state_thinking``) or ``plan`` (ALFWorld: that
 state and the step it calls for, the tool or the destination, ``jaxopd.methods.sft_data.plan_text``) or
@@ -31,7 +31,8 @@ same, with the object classes an arrival or an opening just listed copied after 
 ``jaxopd.methods.sft_data.task_list_plan_here_text``) or ``task-list-act-here`` (that, ending on the command to
 give at the agent's location when there is one, ``jaxopd.methods.sft_data.task_list_act_here_text``) or
 ``task-tool-act-here`` (that, with the change task's verb and tool said right after the instruction in every turn,
-``jaxopd.methods.sft_data.task_tool_act_here_text``)."""
+``jaxopd.methods.sft_data.task_tool_act_here_text``) or ``task-tool-refused-act-here`` (that, with the last command
+said after the instruction when the engine refused it, ``jaxopd.methods.sft_data.task_tool_refused_act_here_text``)."""
 SFT_DEMONSTRATIONS = {"walkthrough": "solution", "searching-expert": "searching_expert"}
 """What SFT imitates, each with the ``envs.references`` kind of its references: the planner's walkthrough (it knows
 where everything lies; ScienceWorld's gold path), or ALFWorld's searching expert (``envs.alfworld_expert``: it looks

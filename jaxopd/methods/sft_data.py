@@ -36,7 +36,8 @@ from jaxopd.train.buffer import Sample
 
 __all__ = ["SFT_MODE", "response_text", "state_thinking", "state_text", "plan_text", "plan_here_text",
            "task_plan_here_text", "task_list_plan_here_text", "listing_sentence", "task_list_act_here_text",
-           "tool_sentence", "tool_said", "task_tool_act_here_text", "refused_turn", "missing_receptacle",
+           "tool_sentence", "tool_said", "task_tool_act_here_text",
+           "refused_sentence", "task_tool_refused_act_here_text", "refused_turn", "missing_receptacle",
            "missing_turn", "REWRITTEN_TURNS", "THINKING_RULES",
            "thinking_text", "WalkthroughTurn",
            "walkthrough_turns", "WalkthroughStats", "walkthrough_samples", "SFTDataset"]
@@ -326,9 +327,35 @@ def task_tool_act_here_text(state: TaskState) -> str:
     return f"{instruction} {sentence}{text[len(instruction):]}"
 
 
+def refused_sentence(command: str) -> str:
+    """The thinking's copy of the last command when the engine refused it: ``"Refused: go to drawer 4."``."""
+    return f"Refused: {command}."
+
+
+def task_tool_refused_act_here_text(state: TaskState) -> str:
+    """:func:`task_tool_act_here_text` with :func:`refused_sentence` after the restated instruction and the tool
+    sentence, in the turn after a command the engine refused (``--sft-thinking task-tool-refused-act-here``):
+    ``"Your task is to: examine the cd with the desklamp. Refused: go to drawer 4. I hold cd 1. I need a desklamp.
+    I am at drawer 3. It is closed."``; the same words as ``task-tool-act-here`` in every other turn.
+
+    Why. Stop 31's 44 % teacher lost 20 of its 36 episodes, and 207 of their 600 moves were refused, 96 of them the
+    very command refused the turn before (``go to drawer 4`` ten times running). After a refusal the state is what
+    it was, so its thinking was word for word the thinking before, and so was its command. Saying the refused
+    command makes the turn after a refusal a context of its own, copied from the end of the prompt, whose
+    demonstrations (the refused and missing copies, ``refused_turn`` / ``missing_turn``) never give that command
+    again."""
+    text = task_tool_act_here_text(state)
+    if state.refused is None:
+        return text
+    sentence = tool_sentence(state.goal)
+    head = state.goal.instruction + (f" {sentence}" if sentence else "")
+    return f"{head} {refused_sentence(state.refused)}{text[len(head):]}"
+
+
 THINKING_RULES = {"state": state_text, "plan": plan_text, "plan-here": plan_here_text,
                   "task-plan-here": task_plan_here_text, "task-list-plan-here": task_list_plan_here_text,
-                  "task-list-act-here": task_list_act_here_text, "task-tool-act-here": task_tool_act_here_text}
+                  "task-list-act-here": task_list_act_here_text, "task-tool-act-here": task_tool_act_here_text,
+                  "task-tool-refused-act-here": task_tool_refused_act_here_text}
 """The words of each ``SFT_THINKING`` value but ``none`` for a ``TaskState``: the one table SFT writes from and
 ``jaxopd.methods.transcripts`` compares an agent's thinking with."""
 

@@ -4,6 +4,7 @@ Owns :func:`transcript_counts`, read from the episode records ``experiments.eval
 executed actions, the engine's answers, the model's raw answers, won): the *progress funnel* (episodes that ever
 held a goal object, that cleaned / heated / cooled it where the task asks, that put one in the goal receptacle,
 that won), the share of moves the engine refused (``Nothing happens.``) and of actions repeating the previous one,
+of the rounds right after a refused command those that give it again (``refusal_repeated``),
 and the *thinking fidelity*: the share of rounds whose thinking is exactly what the SFT demonstrations would have
 thought in that state (``jaxopd.methods.sft_data.THINKING_RULES`` for the state the agent's own
 history shows), the share that names the goal object (beyond a restated instruction), and whether the action does
@@ -82,7 +83,7 @@ def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = 
         raise ValueError("no episodes to count")
     rule = THINKING_RULES[thinking]
     rounds = refused = repeated = faithful = names_goal = no_thinking = 0
-    agreements = {name: [0, 0] for name in ("named_taken", "command_followed", "change_right")}
+    agreements = {name: [0, 0] for name in ("named_taken", "command_followed", "change_right", "refusal_repeated")}
     stages = {stage: [0, 0] for stage in ("held", "changed", "placed", "won")}
     for episode in episodes:
         goal, states = _states(episode)
@@ -91,6 +92,9 @@ def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = 
             rounds += 1
             refused += feedback[t].strip() == REFUSED
             repeated += t > 0 and actions[t] == actions[t - 1]
+            if t > 0 and feedback[t - 1].strip() == REFUSED:
+                agreements["refusal_repeated"][0] += actions[t] == actions[t - 1]
+                agreements["refusal_repeated"][1] += 1
             thought = thinking_of(answer)
             if thought is None:
                 no_thinking += 1
