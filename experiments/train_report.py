@@ -5,7 +5,7 @@
 For each run folder (written by ``python -m experiments.train``): the command, the first and last evaluation
 (success rate mean ± std over seeds, rounds, the exact reverse KL to the teacher on held-out states), the
 training wall-clock (evaluation excluded) and the mean seconds per update spent in rollout, scoring, step and
-sync. Writes ``<out>/README.md`` (table), ``<out>/runs.json``, ``success_vs_update.png`` /
+sync. Writes ``<out>/table.md``, ``<out>/runs.json``, ``success_vs_update.png`` /
 ``success_vs_wallclock.png`` over all runs, and copies each run's summary, metrics and evaluation tables into
 ``<out>/<run name>/`` (checkpoints and exported weights are not copied).
 
@@ -172,6 +172,13 @@ def _evaluations(folders: Sequence[Path], given: Sequence[Sequence[str]]) -> dic
     return joined
 
 
+def _copy_files(source: Path, destination: Path) -> None:
+    destination.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.is_file():
+            shutil.copy2(item, destination / item.name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return cli.run_main(lambda: _main(args))
@@ -193,16 +200,9 @@ def _main(args: argparse.Namespace) -> int:
                 shutil.copy2(folder / name, target / name)
         if (folder / "eval").is_dir():
             for evaluation in sorted((folder / "eval").iterdir()):
-                destination = target / "eval" / evaluation.name
-                destination.mkdir(parents=True, exist_ok=True)
-                for item in evaluation.iterdir():
-                    shutil.copy2(item, destination / item.name)
+                _copy_files(evaluation, target / "eval" / evaluation.name)
         for update, evaluation in evaluations.get(folder.name, ()):
-            destination = target / "eval" / f"update_{update:05d}"
-            destination.mkdir(parents=True, exist_ok=True)
-            for item in evaluation.iterdir():
-                if item.is_file():
-                    shutil.copy2(item, destination / item.name)
+            _copy_files(evaluation, target / "eval" / f"update_{update:05d}")
     history = [point for row in rows for point in row["history"]]
     if history:
         plot_learning_curves(history, out)
