@@ -31,7 +31,8 @@ from jaxopd.methods.benchmarks import BenchmarkError, GeneratedCounts, resolve_s
 from jaxopd.methods.config import METHODS, PRESETS, SFT_DEMONSTRATIONS, SFT_THINKING, RunConfig, build_config
 from jaxopd.train.step import LR_SCHEDULES
 
-FLAG_FIELDS = ("benchmark", "games", "student", "teacher", "student_model_preset", "teacher_model_preset", "updates",
+FLAG_FIELDS = ("benchmark", "games", "generated_train_games", "student", "teacher", "student_model_preset",
+               "teacher_model_preset", "updates",
                "batch_size", "rollout_slots", "rollout_mode", "rollout_backlog", "collection_tasks", "train_tasks",
                "checkpoint_every", "keep_checkpoints", "seed",
                "learning_rate", "loss", "max_turns", "max_prompt_tokens", "max_train_tokens", "first_stage_tokens",
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export", default=None, help="write the trained student here as a Hugging Face folder")
     p.add_argument("--benchmark", default=None, choices=("alfworld", "scienceworld"))
     p.add_argument("--games", default=None, choices=("auto", "generated", "official"))
+    p.add_argument("--generated-train-games", type=int, default=None, metavar="N",
+                   help="generated ALFWorld games of the train split (240; the evaluation splits stay the same games)")
     p.add_argument("--student", default=None, metavar="DIR", help="Hugging Face Qwen3 folder of the student")
     p.add_argument("--teacher", default=None, metavar="DIR", help="Hugging Face Qwen3 folder of the teacher")
     p.add_argument("--student-model-preset", default=None, help="random-initialised student when no --student")
@@ -141,6 +144,12 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         return build_config(args.method, preset=args.preset, **overrides)
     except ValueError as error:
         raise UsageError(str(error)) from None
+
+
+def training_counts(config: RunConfig) -> GeneratedCounts:
+    """The generated ALFWorld games of a run: ``--generated-train-games`` train games, the default evaluation splits
+    (the same games at any train count: the generator seeds each game slot on its own)."""
+    return GeneratedCounts(train=config.generated_train_games)
 
 
 def check_paths(config: RunConfig, args: argparse.Namespace) -> Path:
@@ -272,7 +281,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = check_paths(config, args)
     progress = not args.no_progress
     try:
-        source = resolve_source(config.benchmark, config.games, counts=GeneratedCounts(), progress=progress)
+        source = resolve_source(config.benchmark, config.games, counts=training_counts(config), progress=progress)
     except BenchmarkError as error:
         raise UsageError(str(error)) from None
     student, teacher, tokenizer = load_models(config)

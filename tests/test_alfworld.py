@@ -382,6 +382,19 @@ def test_same_seed_gives_byte_identical_games(small_games_root, tmp_path):
         assert (small_games_root / rel).read_bytes() == (out / rel).read_bytes(), rel
 
 
+def test_unseen_games_do_not_depend_on_the_train_count(tmp_path):
+    """More generated training games (``experiments.train --generated-train-games``) leave the valid_unseen games
+    byte for byte the same: their floor plans are held out from train's, and every slot is seeded on its own."""
+    trees = {}
+    for train in (0, 2):
+        root = tmp_path / f"train{train}"
+        gen.generate_games(root, seed=0, counts={"train": train, "valid_seen": 0, "valid_unseen": 1}, workers=1,
+                           progress=False)
+        unseen = root / alf.DATA_SUBDIR / "valid_unseen"
+        trees[train] = {p.relative_to(unseen): p.read_bytes() for p in unseen.rglob("*") if p.is_file()}
+    assert len(trees[0]) == 3 and trees[0] == trees[2]
+
+
 def test_cache_location_and_reuse(small_games_root, tmp_path, monkeypatch):
     monkeypatch.setenv(gen.CACHE_ENV_VAR, str(tmp_path))
     assert gen.cache_base() == tmp_path / "alfworld_games"

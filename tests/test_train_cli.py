@@ -99,3 +99,17 @@ def test_sft_thinking_values(tmp_path):
 
 def test_keep_checkpoints_must_be_positive(tmp_path):
     assert_one_line(run_cli("--method", "sft", "--keep-checkpoints", "0", "--out", str(tmp_path)), "keep_checkpoints")
+
+
+def test_generated_train_games(tmp_path):
+    assert_one_line(run_cli("--method", "sft", "--generated-train-games", "0", "--out", str(tmp_path)),
+                    "generated_train_games")
+    assert_one_line(run_cli("--method", "sft", "--benchmark", "scienceworld", "--generated-train-games", "480",
+                            "--out", str(tmp_path)), "generated_train_games=480 sizes generated ALFWorld games")
+    from experiments.train import training_counts
+    from jaxopd.methods.benchmarks import GeneratedCounts
+    from jaxopd.methods.config import build_config
+    counts = training_counts(build_config("sft", preset="cpu", generated_train_games=480))
+    assert counts == GeneratedCounts(train=480)
+    assert (counts.valid_seen, counts.valid_unseen, counts.seed) == (GeneratedCounts().valid_seen,
+                                                                     GeneratedCounts().valid_unseen, 0)

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
-from jaxopd.methods.benchmarks import BENCHMARKS, EVAL_SPLITS, GAME_SOURCES
+from jaxopd.methods.benchmarks import BENCHMARKS, EVAL_SPLITS, GAME_SOURCES, GeneratedCounts
 from jaxopd.train.step import LR_SCHEDULES
 
 METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallback", "actfirst-prefix-replay-50",
@@ -66,6 +66,9 @@ class RunConfig:
     benchmark: str = "alfworld"
     preset: str = "paper"
     games: str = "auto"
+    # generated ALFWorld games of the train split (the evaluation splits keep GeneratedCounts' sizes and, since the
+    # generator seeds every game slot on its own, the very same games)
+    generated_train_games: int = GeneratedCounts.train
     # models: Hugging Face folders, or a random-initialised preset when a folder is not given (smoke runs only)
     student: str | None = None
     teacher: str | None = None
@@ -165,9 +168,14 @@ class RunConfig:
                              "path) demonstrations")
         if self.games not in GAME_SOURCES:
             raise ValueError(f"unknown game source {self.games!r}; expected one of {GAME_SOURCES}")
-        positive = ("updates", "batch_size", "rollout_slots", "collection_tasks", "checkpoint_every",
-                    "keep_checkpoints", "max_train_tokens", "max_turns", "max_prompt_tokens", "first_stage_tokens",
-                    "total_tokens", "fast_action_tokens", "num_candidates", "num_teacher_samples", "page_size")
+        if self.generated_train_games != GeneratedCounts.train and (self.benchmark != "alfworld"
+                                                                    or self.games == "official"):
+            raise ValueError(f"generated_train_games={self.generated_train_games} sizes generated ALFWorld games; "
+                             f"this run uses {self.benchmark} ({self.games} games)")
+        positive = ("generated_train_games", "updates", "batch_size", "rollout_slots", "collection_tasks",
+                    "checkpoint_every", "keep_checkpoints", "max_train_tokens", "max_turns", "max_prompt_tokens",
+                    "first_stage_tokens", "total_tokens", "fast_action_tokens", "num_candidates", "num_teacher_samples",
+                    "page_size")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
