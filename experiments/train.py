@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--benchmark", default=None, choices=("alfworld", "scienceworld"))
     p.add_argument("--games", default=None, choices=("auto", "generated", "official"))
     p.add_argument("--generated-train-games", type=int, default=None, metavar="N",
-                   help="generated ALFWorld games of the train split (240; the evaluation splits stay the same games)")
+                   help="generated ALFWorld games of the train split (240; valid_unseen stays the same games, "
+                        "valid_seen can change)")
     p.add_argument("--student", default=None, metavar="DIR", help="Hugging Face Qwen3 folder of the student")
     p.add_argument("--teacher", default=None, metavar="DIR", help="Hugging Face Qwen3 folder of the teacher")
     p.add_argument("--student-model-preset", default=None, help="random-initialised student when no --student")
@@ -147,8 +148,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def training_counts(config: RunConfig) -> GeneratedCounts:
-    """The generated ALFWorld games of a run: ``--generated-train-games`` train games, the default evaluation splits
-    (the same games at any train count: the generator seeds each game slot on its own)."""
+    """The generated ALFWorld games of a run: ``--generated-train-games`` train games and the default evaluation
+    splits. ``valid_unseen`` is the same games at any train count (held-out floor plans, each game slot seeded on its
+    own); ``valid_seen`` shares train's floor plans and can change where a new training game takes its state."""
     return GeneratedCounts(train=config.generated_train_games)
 
 

@@ -66,8 +66,8 @@ class RunConfig:
     benchmark: str = "alfworld"
     preset: str = "paper"
     games: str = "auto"
-    # generated ALFWorld games of the train split (the evaluation splits keep GeneratedCounts' sizes and, since the
-    # generator seeds every game slot on its own, the very same games)
+    # generated ALFWorld games of the train split (the evaluation splits keep GeneratedCounts' sizes; valid_unseen, on
+    # held-out floor plans with every game slot seeded on its own, stays the very same games; valid_seen can change)
     generated_train_games: int = GeneratedCounts.train
     # models: Hugging Face folders, or a random-initialised preset when a folder is not given (smoke runs only)
     student: str | None = None
