@@ -286,6 +286,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         source = resolve_source(config.benchmark, config.games, counts=training_counts(config), progress=progress)
     except BenchmarkError as error:
         raise UsageError(str(error)) from None
+    if source.games == "official" and config.generated_train_games != GeneratedCounts.train:
+        raise UsageError(f"--generated-train-games {config.generated_train_games} sizes generated games, but this run "
+                         f"plays {source.describe()} ($ALFWORLD_DATA is set; --games generated uses generated ones)")
     student, teacher, tokenizer = load_models(config)
     started = time.time()
     print(f"task source: {source.describe()}", flush=True)

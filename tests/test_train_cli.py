@@ -113,3 +113,8 @@ def test_generated_train_games(tmp_path):
     assert counts == GeneratedCounts(train=480)
     assert (counts.valid_seen, counts.valid_unseen, counts.seed) == (GeneratedCounts().valid_seen,
                                                                      GeneratedCounts().valid_unseen, 0)
+
+
+def test_generated_train_games_with_official_data(tmp_path, official_data):
+    assert_one_line(run_cli("--method", "sft", "--generated-train-games", "480", "--out", str(tmp_path / "o"),
+                            env=official_data), "--generated-train-games 480 sizes generated games")
