@@ -149,8 +149,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def training_counts(config: RunConfig) -> GeneratedCounts:
     """The generated ALFWorld games of a run: ``--generated-train-games`` train games and the default evaluation
-    splits. ``valid_unseen`` is the same games at any train count (held-out floor plans, each game slot seeded on its
-    own); ``valid_seen`` shares train's floor plans and can change where a new training game takes its state."""
+    splits (what stays the same is said at ``RunConfig.generated_train_games``)."""
     return GeneratedCounts(train=config.generated_train_games)
 
 
