@@ -22,7 +22,14 @@ fixed reachable point; look-at-object tasks use desk lamps only (a floor lamp ha
 PDDL state, so ``use floorlamp`` can never be admissible); objects are only placed in static receptacles
 (the domain shipped with alfworld 0.4.2 has no action for movable receptacles).
 
-CLI: ``python -m envs.alfworld_gen --out DIR --num N --seed S``.
+Two sets of split sizes are in use, both owned here: ``DEFAULT_COUNTS``, the environment's own (``AlfWorldEnv``
+without a game root, hence the main job and the benchmarks: ALFWorld's evaluation sizes), and
+``TRAINING_COUNTS``, the training and evaluation commands' (``jaxopd.methods.benchmarks.GeneratedCounts``;
+``experiments.train --generated-train-games N`` replaces its train count). The tree's cache folder is a hash of
+the counts, so the same train count with other evaluation counts is another tree.
+
+CLI: ``python -m envs.alfworld_gen --out DIR --num N --seed S``; ``--counts training --num N`` makes (in the cache)
+exactly the tree ``experiments.train --generated-train-games N`` uses.
 """
 from __future__ import annotations
 
@@ -60,7 +67,9 @@ from envs.base import EnvError, require_int
 logger = logging.getLogger(__name__)
 
 GENERATOR_VERSION = 1
-DEFAULT_COUNTS = {"train": 600, "valid_seen": 140, "valid_unseen": 134}   # eval sizes as in ALFWorld
+DEFAULT_COUNTS = {"train": 600, "valid_seen": 140, "valid_unseen": 134}   # the environment's: eval sizes as in ALFWorld
+TRAINING_COUNTS = {"train": 240, "valid_seen": 24, "valid_unseen": 48}   # experiments.train / experiments.evaluate
+COUNT_SETS = {"environment": DEFAULT_COUNTS, "training": TRAINING_COUNTS}
 DEFAULT_MAX_WALKTHROUGH = 30        # the interaction limit used for ALFWorld in the ActFirst paper
 CACHE_ENV_VAR = "JAXOPD_CACHE"
 MAX_INSTANCES = 3                   # alfworld.gen.constants.MAX_NUM_OF_OBJ_INSTANCES
@@ -806,18 +815,28 @@ def ensure_games(cache_dir: str | os.PathLike | None = None, *, seed: int = 0,
     return root
 
 
+def _describe(counts: Mapping[str, int]) -> str:
+    return "(" + ", ".join(f"{n} {split}" for split, n in counts.items()) + ")"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m envs.alfworld_gen", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="output folder (default: the cache, see --cache-dir / $JAXOPD_CACHE)")
     parser.add_argument("--cache-dir", help="cache base folder used when --out is not given")
-    parser.add_argument("--num", type=int, default=DEFAULT_COUNTS["train"], help="number of train games")
-    parser.add_argument("--num-valid-seen", type=int, default=DEFAULT_COUNTS["valid_seen"])
-    parser.add_argument("--num-valid-unseen", type=int, default=DEFAULT_COUNTS["valid_unseen"])
+    parser.add_argument("--counts", choices=sorted(COUNT_SETS), default="environment",
+                        help="the split sizes the --num flags default to: 'environment' "
+                             f"{_describe(DEFAULT_COUNTS)} (AlfWorldEnv's own games: the main job, the benchmarks) or "
+                             f"'training' {_describe(TRAINING_COUNTS)} (experiments.train and experiments.evaluate; "
+                             "with --num N the tree of experiments.train --generated-train-games N)")
+    parser.add_argument("--num", type=int, default=None, help="number of train games (default: from --counts)")
+    parser.add_argument("--num-valid-seen", type=int, default=None, help="default: from --counts")
+    parser.add_argument("--num-valid-unseen", type=int, default=None, help="default: from --counts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=None, help="planner processes (default: CPUs, max 8)")
     parser.add_argument("--max-walkthrough", type=int, default=DEFAULT_MAX_WALKTHROUGH)
     args = parser.parse_args(argv)
-    counts = {"train": args.num, "valid_seen": args.num_valid_seen, "valid_unseen": args.num_valid_unseen}
+    given = {"train": args.num, "valid_seen": args.num_valid_seen, "valid_unseen": args.num_valid_unseen}
+    counts = {split: COUNT_SETS[args.counts][split] if n is None else n for split, n in given.items()}
     start = time.perf_counter()
     if args.out:
         generate_games(args.out, seed=args.seed, counts=counts, workers=args.workers,
@@ -828,7 +847,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             max_walkthrough=args.max_walkthrough)
     elapsed = time.perf_counter() - start
     total = sum(counts.values())
-    print(f"{total} games in {root} ({elapsed:.1f} s, {elapsed / max(total, 1):.3f} s/game)")
+    print(f"{total} games in {root} {_describe(counts)[:-1]}; {elapsed:.1f} s, {elapsed / max(total, 1):.3f} s/game)")
     return 0
 
 

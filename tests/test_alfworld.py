@@ -395,6 +395,34 @@ def test_unseen_games_do_not_depend_on_the_train_count(tmp_path):
     assert len(trees[0]) == 3 and trees[0] == trees[2]
 
 
+def test_cli_counts_training_makes_the_tree_of_generated_train_games(monkeypatch, capsys):
+    """``python -m envs.alfworld_gen --counts training --num N`` asks for the very tree (same counts, same cache
+    folder) that ``experiments.train --generated-train-games N`` uses; without --counts it keeps the environment's
+    own split sizes (those of the main job's games)."""
+    from experiments.train import training_counts
+    from jaxopd.methods.benchmarks import GeneratedCounts
+    from jaxopd.methods.config import RunConfig
+
+    asked = []
+
+    def fake_ensure(cache_dir=None, *, seed, counts, workers, max_walkthrough):
+        asked.append(dict(counts))
+        return Path("/nowhere") / gen.version_hash(seed=seed, counts=counts, max_walkthrough=max_walkthrough)
+
+    monkeypatch.setattr(gen, "ensure_games", fake_ensure)
+    assert gen.main(["--counts", "training", "--num", "720"]) == 0
+    assert gen.main([]) == 0
+    assert gen.main(["--counts", "training", "--num-valid-unseen", "5"]) == 0
+    trained = training_counts(RunConfig(method="sft", generated_train_games=720)).as_counts()
+    assert asked[0] == trained == {"train": 720, "valid_seen": 24, "valid_unseen": 48}
+    assert asked[1] == gen.DEFAULT_COUNTS == {"train": 600, "valid_seen": 140, "valid_unseen": 134}
+    assert asked[2] == {"train": 240, "valid_seen": 24, "valid_unseen": 5}
+    assert GeneratedCounts().as_counts() == gen.TRAINING_COUNTS
+    printed = capsys.readouterr().out.splitlines()
+    assert gen.version_hash(seed=0, counts=trained, max_walkthrough=gen.DEFAULT_MAX_WALKTHROUGH) in printed[0]
+    assert "720 train, 24 valid_seen, 48 valid_unseen" in printed[0]
+
+
 def test_cache_location_and_reuse(small_games_root, tmp_path, monkeypatch):
     monkeypatch.setenv(gen.CACHE_ENV_VAR, str(tmp_path))
     assert gen.cache_base() == tmp_path / "alfworld_games"

@@ -16,6 +16,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from envs import alfworld_gen
 from envs.base import Task, TextEnv
 
 BENCHMARKS = ("alfworld", "scienceworld")
@@ -31,11 +32,13 @@ class BenchmarkError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class GeneratedCounts:
-    """How many ALFWorld games to generate per split (``envs.alfworld_gen``) and the generator seed."""
+    """How many ALFWorld games to generate per split (``envs.alfworld_gen``) and the generator seed; the defaults
+    are ``envs.alfworld_gen.TRAINING_COUNTS`` (``python -m envs.alfworld_gen --counts training`` makes the same
+    tree)."""
 
-    train: int = 240
-    valid_seen: int = 24
-    valid_unseen: int = 48
+    train: int = alfworld_gen.TRAINING_COUNTS["train"]
+    valid_seen: int = alfworld_gen.TRAINING_COUNTS["valid_seen"]
+    valid_unseen: int = alfworld_gen.TRAINING_COUNTS["valid_unseen"]
     seed: int = 0
 
     def as_counts(self) -> dict[str, int]:
@@ -101,7 +104,6 @@ def resolve_source(benchmark: str, games: str = "auto", *, counts: GeneratedCoun
         if not any(data_dir_of(root).glob("*/")):
             raise BenchmarkError(f"${ALFWORLD_DATA_ENV}={data!r} holds no ALFWorld split folders")
         return BenchmarkSource("alfworld", root, "official", functools.partial(AlfWorldEnv, root))
-    from envs import alfworld_gen
     root = alfworld_gen.ensure_games(cache_dir, seed=counts.seed, counts=counts.as_counts(), progress=progress)
     return BenchmarkSource("alfworld", Path(root), "generated", functools.partial(AlfWorldEnv, root))
 

@@ -1,0 +1,237 @@
+"""The CPU teacher and student of results/train, rebuilt from random weights by one resumable command.
+
+The best CPU teacher here (``teacher-more-hf``, 40.3 % on all 48 generated ``valid_unseen`` games) and its student
+(``student-tool40-hf``) are not one training run but a chain of eight, each fine-tuning the previous one's export
+(results/train/README.md, stops 27-31 and 33): the copy warm-up's two stages, SFT on a first thinking format, then
+fine-tunes that changed the thinking and added demonstration copies. A fresh machine has none of these checkpoints
+(``runs/`` is not in git), and the chain takes about four hours on 2 cores, more than a session. This module owns
+the chain: ``STAGES`` are the very commands of results/train, in order, with their output folders under ``--runs``.
+
+    python -m experiments.teacher_recipe                      # run every stage not yet done, in order
+    python -m experiments.teacher_recipe --dry-run            # the commands, and which stages are done
+    python -m experiments.teacher_recipe --until teacher-act  # stop after that stage
+
+A stage is done when every folder it exports holds a complete Hugging Face checkpoint (``config.json`` and
+safetensors whose byte count matches their header), whoever made it, so the command can be killed and rerun: it
+starts again at the first stage not done. An interrupted SFT stage resumes from its own orbax checkpoints
+(``experiments.train`` resumes an ``--out`` folder that holds them, with the same data order); an interrupted
+copy warm-up stage (at most a few minutes) starts over. Each stage runs as its own process, its output in
+``<runs>/recipe-logs/<stage>.log``; the recipe's record, ``<runs>/teacher_recipe.json``, holds each stage's
+command, wall-clock seconds and exit status (with ``machine`` and the times of earlier runs kept).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from jaxopd.cli import Parser, UsageError, check_out_dir, run_main
+
+__all__ = ["Stage", "STAGES", "stage_commands", "checkpoint_complete", "stage_done", "run_recipe", "main"]
+
+# The searching-expert SFT settings every stage from the act teacher on shares (results/train, stops 30-31).
+_TOOL_SFT = ("--method sft --preset cpu --sft-demonstrations searching-expert --sft-thinking task-tool-act-here "
+             "--first-stage-tokens 96 --total-tokens 128 --max-supervised-tokens 120 --max-turns 30 "
+             "--sft-context-weight 1.0 --sft-renamed-copies 1 --sft-take-copies 3 --sft-refused-copies 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One command of the chain: ``python -m <module> <args>``, ``{runs}`` in ``args`` standing for the runs
+    folder; ``exports`` the checkpoint folders (relative to it) whose completeness marks the stage done;
+    ``hours`` the wall-clock it took where results/train measured it (2-core CPU), for the plan."""
+
+    name: str
+    module: str
+    args: str
+    exports: tuple[str, ...]
+    measured_s: float
+    source: str
+
+    def argv(self, runs: str) -> list[str]:
+        return shlex.split(self.args.format(runs=runs))
+
+    def command(self, runs: str) -> str:
+        return f"python -m {self.module} {shlex.join(self.argv(runs))}"
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("copy-warmup-1", "experiments.copy_probe",
+          "--steps 2400 --filler 32 --evaluations 12 --vocab-from-sft --no-progress --export {runs}/copy1-hf "
+          "--out {runs}/copy_probe/warmup-stage1-state.json",
+          ("copy1-hf",), 293, "stop 27 (A F A copies: the induction head)"),
+    Stage("copy-warmup-2", "experiments.copy_probe",
+          "--init {runs}/copy1-hf --steps 400 --rows multi --width 1024 --filler 960 --batch-size 2 "
+          "--held-out-gaps 32 128 512 900 --evaluations 10 --vocab-from-sft --no-progress --export {runs}/copy2-hf "
+          "--out {runs}/copy_probe/warmup-stage2-state.json",
+          ("copy2-hf",), 432, "stop 27 (copies at prompt distances)"),
+    Stage("teacher-list", "experiments.train",
+          "--method sft --preset cpu --sft-demonstrations searching-expert --sft-thinking task-list-plan-here "
+          "--first-stage-tokens 96 --total-tokens 128 --max-supervised-tokens 112 --max-turns 30 "
+          "--sft-context-weight 1.0 --sft-renamed-copies 1 --sft-take-copies 2 --lr-schedule cosine --batch-size 8 "
+          "--steps 840 --checkpoint-every 30 --keep-checkpoints 3 --no-eval --no-progress --out {runs}/sft-list "
+          "--student {runs}/copy2-hf --export {runs}/teacher-list-hf --export-at 150 {runs}/student-list-hf",
+          ("teacher-list-hf", "student-list-hf"), 5530, "stop 29"),
+    Stage("teacher-act", "experiments.train",
+          "--method sft --preset cpu --sft-demonstrations searching-expert --sft-thinking task-list-act-here "
+          "--first-stage-tokens 96 --total-tokens 128 --max-supervised-tokens 112 --max-turns 30 "
+          "--sft-context-weight 1.0 --sft-renamed-copies 1 --sft-take-copies 3 --sft-refused-copies 1 "
+          "--lr-schedule cosine --learning-rate 3e-4 --batch-size 8 --steps 380 --checkpoint-every 30 "
+          "--keep-checkpoints 2 --no-eval --no-progress --out {runs}/sft-act --student {runs}/teacher-list-hf "
+          "--export {runs}/teacher-act-hf",
+          ("teacher-act-hf",), 3072, "stop 30"),
+    Stage("student-tool40", "experiments.train",
+          _TOOL_SFT + " --lr-schedule cosine --learning-rate 3e-4 --batch-size 8 --steps 40 --checkpoint-every 20 "
+          "--keep-checkpoints 2 --no-eval --no-progress --out {runs}/sft-tool40 --student {runs}/teacher-act-hf "
+          "--export {runs}/student-tool40-hf",
+          ("student-tool40-hf",), 300, "stop 33 (the student: 19.4 % on 48 games)"),
+    Stage("teacher-tool", "experiments.train",
+          _TOOL_SFT + " --lr-schedule cosine --learning-rate 3e-4 --batch-size 8 --steps 300 --checkpoint-every 30 "
+          "--keep-checkpoints 2 --no-eval --no-progress --out {runs}/sft-tool --student {runs}/teacher-act-hf "
+          "--export {runs}/teacher-tool-hf",
+          ("teacher-tool-hf",), 2279, "stop 31"),
+    Stage("teacher-missing", "experiments.train",
+          _TOOL_SFT + " --sft-missing-copies 1 --lr-schedule cosine --learning-rate 2e-4 --batch-size 8 --steps 240 "
+          "--checkpoint-every 30 --keep-checkpoints 2 --no-eval --no-progress --out {runs}/sft-missing "
+          "--student {runs}/teacher-tool-hf --export {runs}/teacher-missing-hf",
+          ("teacher-missing-hf",), 1777, "stop 31"),
+    Stage("teacher-more", "experiments.train",
+          _TOOL_SFT + " --sft-missing-copies 1 --lr-schedule cosine --learning-rate 2e-4 --batch-size 8 --steps 200 "
+          "--checkpoint-every 40 --keep-checkpoints 2 --no-eval --no-progress --out {runs}/sft-more "
+          "--student {runs}/teacher-missing-hf --export {runs}/teacher-more-hf",
+          ("teacher-more-hf",), 1692, "stop 31 (the teacher: 40.3 % on 48 games)"),
+)
+
+STAGE_NAMES = tuple(stage.name for stage in STAGES)
+RECORD = "teacher_recipe.json"
+
+
+def stage_commands(runs: str = "runs") -> list[str]:
+    """Every stage's command as a user types it, in order."""
+    return [stage.command(runs) for stage in STAGES]
+
+
+def checkpoint_complete(folder: str | os.PathLike) -> bool:
+    """``folder`` holds ``config.json`` and safetensors (one file, or the shards its index names), each as long as
+    its header says: a checkpoint whose writing was cut off reads False."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        return False
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError):
+            return False
+    else:
+        files = ["model.safetensors"]
+    return all(_safetensors_complete(folder / name) for name in files)
+
+
+def _safetensors_complete(path: Path) -> bool:
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            if header_len > size - 8:
+                return False
+            header = json.loads(handle.read(header_len))
+    except (OSError, struct.error, ValueError):
+        return False
+    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    return size == 8 + header_len + max(ends, default=0)
+
+
+def stage_done(stage: Stage, runs: str | os.PathLike) -> bool:
+    return all(checkpoint_complete(Path(runs) / folder) for folder in stage.exports)
+
+
+Runner = Callable[[Sequence[str], Path], int]
+
+
+def run_in_process(argv: Sequence[str], log: Path) -> int:
+    """Runs ``argv`` as a child process, its stdout and stderr appended to ``log``; returns its exit status."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as handle:
+        handle.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(argv)}\n")
+        handle.flush()
+        return subprocess.run(list(argv), stdout=handle, stderr=subprocess.STDOUT, check=False).returncode
+
+
+def run_recipe(runs: str, *, until: str | None = None, runner: Runner = run_in_process,
+               log: Callable[[str], None] = print) -> int:
+    """Runs every stage not done, in order, up to ``until`` (inclusive; default the last); returns 0, or the exit
+    status of the first stage that failed (later stages do not run). Records each stage in ``<runs>/RECORD``."""
+    root = Path(runs)
+    root.mkdir(parents=True, exist_ok=True)
+    record_path = root / RECORD
+    record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    record["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    record.setdefault("stages", {})
+    last = STAGE_NAMES.index(until) if until is not None else len(STAGES) - 1
+    for stage in STAGES[:last + 1]:
+        if stage_done(stage, root):
+            log(f"[{stage.name}] done: {', '.join(str(root / f) for f in stage.exports)}")
+            continue
+        argv = [sys.executable, "-m", stage.module, *stage.argv(runs)]
+        logfile = root / "recipe-logs" / f"{stage.name}.log"
+        log(f"[{stage.name}] running (about {stage.measured_s / 60:.0f} min on 2 cores when measured), "
+            f"output in {logfile}:\n  {stage.command(runs)}")
+        started = time.time()
+        status = runner(argv, logfile)
+        entry = {"command": stage.command(runs), "started": time.strftime("%Y-%m-%d %H:%M:%S",
+                                                                            time.localtime(started)),
+                 "wall_s": round(time.time() - started, 1), "exit_status": status, "log": str(logfile)}
+        record["stages"].setdefault(stage.name, []).append(entry)
+        record_path.write_text(json.dumps(record, indent=2) + "\n")
+        if status != 0:
+            log(f"[{stage.name}] failed with exit status {status}; see {logfile}. Rerun to continue from it.")
+            return status
+        if not stage_done(stage, root):
+            log(f"[{stage.name}] exited 0 but did not write {', '.join(stage.exports)} under {root}")
+            return 1
+        log(f"[{stage.name}] finished in {entry['wall_s']:,.0f} s")
+    return 0
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="python -m experiments.teacher_recipe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", default="runs",
+                        help="the folder every stage reads and writes its checkpoints in (default: runs)")
+    parser.add_argument("--until", choices=STAGE_NAMES, default=None,
+                        help="stop after this stage (default: the last, teacher-more)")
+    parser.add_argument("--dry-run", action="store_true", help="print the stages' commands and which are done")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    def body() -> int:
+        args = build_parser().parse_args(argv)
+        if not args.dry_run:
+            check_out_dir("--runs", args.runs)
+        elif Path(args.runs).exists() and not Path(args.runs).is_dir():
+            raise UsageError(f"--runs {args.runs!r} is not a folder")
+        if args.dry_run:
+            total = 0.0
+            for stage in STAGES:
+                done = stage_done(stage, args.runs)
+                total += 0 if done else stage.measured_s
+                print(f"# {stage.name} ({'done' if done else f'{stage.measured_s / 60:.0f} min'}; {stage.source})")
+                print(stage.command(args.runs))
+            print(f"# left: about {total / 3600:.1f} h on 2 CPU cores (the stages' measured wall-clock)")
+            return 0
+        return run_recipe(args.runs, until=args.until)
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""experiments.teacher_recipe: the chain's commands are results/train's, stages chain by their exports, done stages
+are skipped, a cut-off checkpoint is not done, a failed stage stops the chain, bad flags are usage errors."""
+import json
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from experiments import teacher_recipe as recipe
+from experiments.train import build_parser as train_parser
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_checkpoint(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    save_file({"w": np.arange(6, dtype=np.float32)}, str(folder / "model.safetensors"))
+
+
+def test_every_stage_is_a_command_of_results_train():
+    """The recipe replays the documented commands verbatim: a change to either shows here."""
+    documented = (REPO / "results" / "train" / "README.md").read_text()
+    for command in recipe.stage_commands("runs"):
+        assert command in documented, command
+
+
+def test_stages_chain_through_their_exports():
+    """Each stage starts from a folder an earlier stage exports; train stages parse with experiments.train."""
+    made = set()
+    for stage in recipe.STAGES:
+        argv = stage.argv("runs")
+        flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+        start = flags.get("--student") or flags.get("--init")
+        if stage.name == "copy-warmup-1":
+            assert start is None
+        else:
+            assert start is not None and Path(start).name in made, (stage.name, start)
+        exports = [flags.get("--export")] + ([argv[argv.index("--export-at") + 2]] if "--export-at" in argv else [])
+        assert sorted(Path(e).name for e in exports) == sorted(stage.exports)
+        made.update(stage.exports)
+        if stage.module == "experiments.train":
+            args = train_parser().parse_args(argv)
+            assert args.method == "sft" and args.out.startswith("runs/")
+    assert {"teacher-more-hf", "student-tool40-hf"} <= made
+    assert recipe.STAGES[-1].name == "teacher-more"
+
+
+def test_checkpoint_complete(tmp_path):
+    folder = tmp_path / "ckpt"
+    assert not recipe.checkpoint_complete(folder)
+    write_checkpoint(folder)
+    assert recipe.checkpoint_complete(folder)
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:-4])            # writing cut off
+    assert not recipe.checkpoint_complete(folder)
+    (folder / "model.safetensors").write_bytes(data[:5])             # not even the header length
+    assert not recipe.checkpoint_complete(folder)
+    (folder / "model.safetensors").write_bytes(data)
+    (folder / "config.json").unlink()
+    assert not recipe.checkpoint_complete(folder)
+    sharded = tmp_path / "sharded"
+    write_checkpoint(sharded)
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert not recipe.checkpoint_complete(sharded)                  # a shard missing
+    save_file({"v": np.ones(3, np.float32)}, str(sharded / "model-00002-of-00002.safetensors"))
+    assert recipe.checkpoint_complete(sharded)
+
+
+class FakeRunner:
+    """Plays each stage: writes its exports (or fails at ``fail_at``), remembering the commands it ran."""
+
+    def __init__(self, runs: Path, fail_at: str | None = None):
+        self.runs, self.fail_at, self.ran = runs, fail_at, []
+
+    def __call__(self, argv, log: Path) -> int:
+        stage = next(s for s in recipe.STAGES if argv[3:] == s.argv(str(self.runs)))
+        assert argv[1:3] == ["-m", stage.module]
+        self.ran.append(stage.name)
+        if stage.name == self.fail_at:
+            return 3
+        for folder in stage.exports:
+            write_checkpoint(self.runs / folder)
+        return 0
+
+
+def test_run_recipe_skips_done_stages_stops_at_failure_and_records(tmp_path):
+    runs = tmp_path / "runs"
+    write_checkpoint(runs / "copy1-hf")                       # made by hand with the same command
+    runner = FakeRunner(runs, fail_at="teacher-act")
+    lines = []
+    assert recipe.run_recipe(str(runs), runner=runner, log=lines.append) == 3
+    assert runner.ran == ["copy-warmup-2", "teacher-list", "teacher-act"]
+    assert any("[copy-warmup-1] done" in line for line in lines)
+    assert any("[teacher-act] failed with exit status 3" in line for line in lines)
+    record = json.loads((runs / recipe.RECORD).read_text())
+    assert [e["exit_status"] for e in record["stages"]["teacher-act"]] == [3]
+    assert record["stages"]["teacher-list"][0]["command"] == recipe.STAGES[2].command(str(runs))
+    assert "copy-warmup-1" not in record["stages"]
+    # rerun: continues at the failed stage, up to --until
+    runner = FakeRunner(runs)
+    assert recipe.run_recipe(str(runs), until="student-tool40", runner=runner, log=lines.append) == 0
+    assert runner.ran == ["teacher-act", "student-tool40"]
+    record = json.loads((runs / recipe.RECORD).read_text())
+    assert [e["exit_status"] for e in record["stages"]["teacher-act"]] == [3, 0]
+    runner = FakeRunner(runs)
+    assert recipe.run_recipe(str(runs), runner=runner, log=lines.append) == 0
+    assert runner.ran == ["teacher-tool", "teacher-missing", "teacher-more"]
+    assert all(recipe.stage_done(stage, runs) for stage in recipe.STAGES)
+
+
+def test_a_stage_that_exits_0_without_its_export_fails(tmp_path):
+    runs = tmp_path / "runs"
+    lines = []
+    assert recipe.run_recipe(str(runs), until="copy-warmup-1", runner=lambda argv, log: 0, log=lines.append) == 1
+    assert "did not write copy1-hf" in lines[-1]
+
+
+def test_real_runner_appends_the_childs_output_to_the_log(tmp_path):
+    log = tmp_path / "logs" / "stage.log"
+    argv = ["python3", "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(4)"]
+    assert recipe.run_in_process(argv, log) == 4
+    assert recipe.run_in_process(["python3", "-c", "print('again')"], log) == 0
+    text = log.read_text()
+    assert text.count("# ") == 2 and "out\nerr\n" in text and "again" in text and shlex.join(argv) in text
+
+
+def test_cli(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    write_checkpoint(runs / "copy1-hf")
+    assert recipe.main(["--runs", str(runs), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "# copy-warmup-1 (done;" in out and "# copy-warmup-2 (7 min;" in out
+    assert recipe.STAGES[-1].command(str(runs)) in out
+    left = sum(s.measured_s for s in recipe.STAGES[1:]) / 3600
+    assert f"# left: about {left:.1f} h" in out
+    with pytest.raises(SystemExit) as error:
+        recipe.main(["--until", "teacher-nope"])
+    assert error.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert recipe.main(["--runs", str(tmp_path / "file"), "--dry-run"]) == 2
+    assert "is not a folder" in capsys.readouterr().err
