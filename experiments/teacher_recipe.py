@@ -18,6 +18,10 @@ starts again at the first stage not done. An interrupted SFT stage resumes from 
 copy warm-up stage (at most a few minutes) starts over. Each stage runs as its own process, its output in
 ``<runs>/recipe-logs/<stage>.log``; the recipe's record, ``<runs>/teacher_recipe.json``, holds each stage's
 command, wall-clock seconds and exit status (with ``machine`` and the times of earlier runs kept).
+
+The numbers repeat exactly only on the same CPU model (XLA's CPU code differs between models: on the AMD EPYC of
+stop 36 the copy warm-up's phase change came between steps 1,600 and 1,800, at stop 29 between 1,800 and 2,000).
+A rebuilt teacher is the same recipe, not the same weights: evaluate it again before comparing against it.
 """
 from __future__ import annotations
 
@@ -166,6 +170,18 @@ def run_in_process(argv: Sequence[str], log: Path) -> int:
         return subprocess.run(list(argv), stdout=handle, stderr=subprocess.STDOUT, check=False).returncode
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (Linux), else ``platform.processor()``: XLA's CPU code differs between models, so the
+    chain's numbers repeat exactly on the same model only."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def run_recipe(runs: str, *, until: str | None = None, runner: Runner = run_in_process,
                log: Callable[[str], None] = print) -> int:
     """Runs every stage not done, in order, up to ``until`` (inclusive; default the last); returns 0, or the exit
@@ -174,7 +190,8 @@ def run_recipe(runs: str, *, until: str | None = None, runner: Runner = run_in_p
     root.mkdir(parents=True, exist_ok=True)
     record_path = root / RECORD
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
-    record["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    record["machine"] = {"platform": platform.platform(), "cpu": _cpu_model(), "cpus": os.cpu_count(),
+                         "python": sys.version.split()[0]}
     record.setdefault("stages", {})
     last = STAGE_NAMES.index(until) if until is not None else len(STAGES) - 1
     for stage in STAGES[:last + 1]:
