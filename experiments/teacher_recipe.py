@@ -2,17 +2,21 @@
 
 The best CPU teacher here (``teacher-more-hf``, 40.3 % on all 48 generated ``valid_unseen`` games) and its student
 (``student-tool40-hf``) are not one training run but a chain of eight, each fine-tuning the previous one's export
-(results/train/README.md, stops 27-31 and 33): the copy warm-up's two stages, SFT on a first thinking format, then
-fine-tunes that changed the thinking and added demonstration copies. A fresh machine has none of these checkpoints
-(``runs/`` is not in git), and the chain takes about four hours on 2 cores, more than a session. This module owns
-the chain: ``STAGES`` are the very commands of results/train, in order, with their output folders under ``--runs``.
+(results/train/README.md, stops 27-31 and 33): the copy warm-up's two stages, SFT on a first thinking format,
+then fine-tunes that changed the thinking and added demonstration copies. A fresh machine has none of these
+checkpoints (``runs/`` is not in git), and the chain takes about four hours on 2 cores (five with the two
+evaluations), more than a session. This module owns the chain: ``STAGES`` are the very commands of results/train,
+in order, with their output folders under ``--runs``.
 
     python -m experiments.teacher_recipe                      # run every stage not yet done, in order
     python -m experiments.teacher_recipe --dry-run            # the commands, and which stages are done
-    python -m experiments.teacher_recipe --until teacher-act  # stop after that stage
+    python -m experiments.teacher_recipe --until teacher-more # stop after that stage (here: no evaluations)
 
-A stage is done when every folder it exports holds a complete Hugging Face checkpoint (``config.json`` and
-safetensors whose byte count matches their header), whoever made it, so the command can be killed and rerun: it
+The last two stages evaluate the teacher and the student as stop 35 did (all 48 generated ``valid_unseen`` games,
+seeds 42/43/44; about 30 minutes each) and print their success beside the documented one. A stage is done when
+every folder it exports holds a complete Hugging Face checkpoint (``config.json`` and safetensors whose byte count
+matches their header) and an evaluation stage's folder all of ``experiments.evaluate``'s files, whoever made them,
+so the command can be killed and rerun: it
 starts again at the first stage not done. An interrupted SFT stage resumes from its own orbax checkpoints
 (``experiments.train`` resumes an ``--out`` folder that holds them, with the same data order); an interrupted
 copy warm-up stage (at most a few minutes) starts over. Each stage runs as its own process, its output in
@@ -51,7 +55,10 @@ _TOOL_SFT = ("--method sft --preset cpu --sft-demonstrations searching-expert --
 class Stage:
     """One command of the chain: ``python -m <module> <args>``, ``{runs}`` in ``args`` standing for the runs
     folder; ``exports`` the checkpoint folders (relative to it) whose completeness marks the stage done;
-    ``hours`` the wall-clock it took where results/train measured it (2-core CPU), for the plan."""
+    ``measured_s`` the wall-clock seconds results/train measured for it on 2 CPU cores (for the plan), ``source``
+    where. An evaluation stage names its output folder (``evaluation``: done when ``experiments.evaluate`` wrote
+    all its files there) and the success rate results/train measured for the model it plays
+    (``documented_success``)."""
 
     name: str
     module: str
@@ -59,6 +66,8 @@ class Stage:
     exports: tuple[str, ...]
     measured_s: float
     source: str
+    evaluation: str | None = None
+    documented_success: float | None = None
 
     def argv(self, runs: str) -> list[str]:
         return shlex.split(self.args.format(runs=runs))
@@ -114,6 +123,19 @@ STAGES: tuple[Stage, ...] = (
           ("teacher-more-hf",), 1692, "stop 31 (the teacher: 40.3 % on 48 games)"),
 )
 
+def _evaluate(name: str, model: str, out: str, measured_s: float, source: str, success: float) -> Stage:
+    """The stop-35 evaluation of ``model``: all 48 generated ``valid_unseen`` games x seeds 42/43/44."""
+    return Stage(name, "experiments.evaluate",
+                 f"--student {{runs}}/{model} --split valid_unseen --seeds 42 43 44 --max-turns 30 "
+                 f"--max-prompt-tokens 1024 --think-tokens 96 128 --slots 8 --no-progress --out {{runs}}/eval/{out}",
+                 (), measured_s, source, evaluation=f"eval/{out}", documented_success=success)
+
+
+STAGES += (
+    _evaluate("evaluate-teacher", "teacher-more-hf", "teacher-more-48", 1705, "stop 35", 58 / 144),
+    _evaluate("evaluate-student", "student-tool40-hf", "student-tool40-48", 2082, "stop 35", 28 / 144),
+)
+
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 RECORD = "teacher_recipe.json"
 
@@ -154,8 +176,28 @@ def _safetensors_complete(path: Path) -> bool:
     return size == 8 + header_len + max(ends, default=0)
 
 
+def evaluation_success(folder: str | os.PathLike) -> float | None:
+    """The overall success rate (mean over seeds) of a finished ``experiments.evaluate`` output folder, None when
+    one of its files is missing or ``evaluation.json`` does not read."""
+    from jaxopd.methods.evaluate import OUTPUT_FILES
+    folder = Path(folder)
+    if not all((folder / name).is_file() for name in OUTPUT_FILES):
+        return None
+    try:
+        summary = json.loads((folder / OUTPUT_FILES[0]).read_text())["summaries"][-1]
+        return float(summary["overall"]["success_rate"]["mean"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 def stage_done(stage: Stage, runs: str | os.PathLike) -> bool:
+    if stage.evaluation is not None and evaluation_success(Path(runs) / stage.evaluation) is None:
+        return False
     return all(checkpoint_complete(Path(runs) / folder) for folder in stage.exports)
+
+
+def _outputs(stage: Stage) -> tuple[str, ...]:
+    return stage.exports + ((stage.evaluation,) if stage.evaluation else ())
 
 
 Runner = Callable[[Sequence[str], Path], int]
@@ -196,7 +238,7 @@ def run_recipe(runs: str, *, until: str | None = None, runner: Runner = run_in_p
     last = STAGE_NAMES.index(until) if until is not None else len(STAGES) - 1
     for stage in STAGES[:last + 1]:
         if stage_done(stage, root):
-            log(f"[{stage.name}] done: {', '.join(str(root / f) for f in stage.exports)}")
+            log(f"[{stage.name}] done: {', '.join(str(root / f) for f in _outputs(stage))}{_success(stage, root)}")
             continue
         argv = [sys.executable, "-m", stage.module, *stage.argv(runs)]
         logfile = root / "recipe-logs" / f"{stage.name}.log"
@@ -213,10 +255,18 @@ def run_recipe(runs: str, *, until: str | None = None, runner: Runner = run_in_p
             log(f"[{stage.name}] failed with exit status {status}; see {logfile}. Rerun to continue from it.")
             return status
         if not stage_done(stage, root):
-            log(f"[{stage.name}] exited 0 but did not write {', '.join(stage.exports)} under {root}")
+            log(f"[{stage.name}] exited 0 but did not write {', '.join(_outputs(stage))} under {root}")
             return 1
-        log(f"[{stage.name}] finished in {entry['wall_s']:,.0f} s")
+        log(f"[{stage.name}] finished in {entry['wall_s']:,.0f} s{_success(stage, root)}")
     return 0
+
+
+def _success(stage: Stage, root: Path) -> str:
+    if stage.evaluation is None:
+        return ""
+    rate = evaluation_success(root / stage.evaluation)
+    return (f"; success {100 * rate:.1f} % (results/train, {stage.source}: {100 * stage.documented_success:.1f} %; "
+            "another CPU model gives other weights, see the module's docstring)")
 
 
 def build_parser() -> Parser:
@@ -224,7 +274,7 @@ def build_parser() -> Parser:
     parser.add_argument("--runs", default="runs",
                         help="the folder every stage reads and writes its checkpoints in (default: runs)")
     parser.add_argument("--until", choices=STAGE_NAMES, default=None,
-                        help="stop after this stage (default: the last, teacher-more)")
+                        help="stop after this stage (default: the last, evaluate-student)")
     parser.add_argument("--dry-run", action="store_true", help="print the stages' commands and which are done")
     return parser
 

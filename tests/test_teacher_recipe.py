@@ -20,11 +20,22 @@ def write_checkpoint(folder: Path) -> None:
     save_file({"w": np.arange(6, dtype=np.float32)}, str(folder / "model.safetensors"))
 
 
+COMMITTED_EVALUATIONS = {"evaluate-teacher": "eval-teacher", "evaluate-student": "eval-student"}
+
+
 def test_every_stage_is_a_command_of_results_train():
-    """The recipe replays the documented commands verbatim: a change to either shows here."""
+    """The recipe replays the documented commands verbatim (the evaluations: the commands their committed
+    evaluation.json records, and the success rates they measured): a change to either shows here."""
     documented = (REPO / "results" / "train" / "README.md").read_text()
-    for command in recipe.stage_commands("runs"):
-        assert command in documented, command
+    for stage in recipe.STAGES:
+        if stage.evaluation is None:
+            assert stage.command("runs") in documented, stage.name
+            continue
+        committed = REPO / "results" / "train" / "eval48" / COMMITTED_EVALUATIONS[stage.name]
+        meta = json.loads((committed / "evaluation.json").read_text())["meta"]
+        assert stage.command("runs") == meta["command"]
+        assert recipe.evaluation_success(committed) == pytest.approx(stage.documented_success)
+    assert set(COMMITTED_EVALUATIONS) == {s.name for s in recipe.STAGES if s.evaluation}
 
 
 def test_stages_chain_through_their_exports():
@@ -38,6 +49,9 @@ def test_stages_chain_through_their_exports():
             assert start is None
         else:
             assert start is not None and Path(start).name in made, (stage.name, start)
+        if stage.evaluation is not None:
+            assert stage.exports == () and flags["--out"] == f"runs/{stage.evaluation}"
+            continue
         exports = [flags.get("--export")] + ([argv[argv.index("--export-at") + 2]] if "--export-at" in argv else [])
         assert sorted(Path(e).name for e in exports) == sorted(stage.exports)
         made.update(stage.exports)
@@ -45,7 +59,7 @@ def test_stages_chain_through_their_exports():
             args = train_parser().parse_args(argv)
             assert args.method == "sft" and args.out.startswith("runs/")
     assert {"teacher-more-hf", "student-tool40-hf"} <= made
-    assert recipe.STAGES[-1].name == "teacher-more"
+    assert [s.name for s in recipe.STAGES[-3:]] == ["teacher-more", "evaluate-teacher", "evaluate-student"]
 
 
 def test_checkpoint_complete(tmp_path):
@@ -85,7 +99,30 @@ class FakeRunner:
             return 3
         for folder in stage.exports:
             write_checkpoint(self.runs / folder)
+        if stage.evaluation is not None:
+            write_evaluation(self.runs / stage.evaluation, 0.25)
         return 0
+
+
+def write_evaluation(folder: Path, success: float) -> None:
+    from jaxopd.methods.evaluate import OUTPUT_FILES
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUT_FILES[1:]:
+        (folder / name).write_text("x")
+    summary = {"overall": {"success_rate": {"mean": success, "std": 0.0, "n": 3}}}
+    (folder / OUTPUT_FILES[0]).write_text(json.dumps({"meta": {}, "summaries": [summary], "episodes": []}))
+
+
+def test_evaluation_success(tmp_path):
+    folder = tmp_path / "eval"
+    assert recipe.evaluation_success(folder) is None
+    write_evaluation(folder, 0.375)
+    assert recipe.evaluation_success(folder) == 0.375
+    (folder / "success_by_task_type.png").unlink()                 # the last file written
+    assert recipe.evaluation_success(folder) is None
+    write_evaluation(folder, 0.375)
+    (folder / "evaluation.json").write_text("{\"summaries\": [")
+    assert recipe.evaluation_success(folder) is None
 
 
 def test_run_recipe_skips_done_stages_stops_at_failure_and_records(tmp_path):
@@ -110,8 +147,12 @@ def test_run_recipe_skips_done_stages_stops_at_failure_and_records(tmp_path):
     assert [e["exit_status"] for e in record["stages"]["teacher-act"]] == [3, 0]
     runner = FakeRunner(runs)
     assert recipe.run_recipe(str(runs), runner=runner, log=lines.append) == 0
-    assert runner.ran == ["teacher-tool", "teacher-missing", "teacher-more"]
+    assert runner.ran == ["teacher-tool", "teacher-missing", "teacher-more", "evaluate-teacher", "evaluate-student"]
     assert all(recipe.stage_done(stage, runs) for stage in recipe.STAGES)
+    assert "success 25.0 % (results/train, stop 35: 19.4 %" in lines[-1]
+    lines.clear()
+    assert recipe.run_recipe(str(runs), runner=FakeRunner(runs, fail_at="copy-warmup-1"), log=lines.append) == 0
+    assert len(lines) == len(recipe.STAGES) and "[evaluate-teacher] done" in lines[-2] and "40.3 %" in lines[-2]
 
 
 def test_a_stage_that_exits_0_without_its_export_fails(tmp_path):
