@@ -816,7 +816,7 @@ def ensure_games(cache_dir: str | os.PathLike | None = None, *, seed: int = 0,
 
 
 def _describe(counts: Mapping[str, int]) -> str:
-    return "(" + ", ".join(f"{n} {split}" for split, n in counts.items()) + ")"
+    return ", ".join(f"{n} {split}" for split, n in counts.items())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -825,9 +825,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cache-dir", help="cache base folder used when --out is not given")
     parser.add_argument("--counts", choices=sorted(COUNT_SETS), default="environment",
                         help="the split sizes the --num flags default to: 'environment' "
-                             f"{_describe(DEFAULT_COUNTS)} (AlfWorldEnv's own games: the main job, the benchmarks) or "
-                             f"'training' {_describe(TRAINING_COUNTS)} (experiments.train and experiments.evaluate; "
-                             "with --num N the tree of experiments.train --generated-train-games N)")
+                             f"({_describe(DEFAULT_COUNTS)}: AlfWorldEnv's own games, the main job's, the benchmarks') "
+                             f"or 'training' ({_describe(TRAINING_COUNTS)}: experiments.train and "
+                             "experiments.evaluate; with --num N the tree of "
+                             "experiments.train --generated-train-games N)")
     parser.add_argument("--num", type=int, default=None, help="number of train games (default: from --counts)")
     parser.add_argument("--num-valid-seen", type=int, default=None, help="default: from --counts")
     parser.add_argument("--num-valid-unseen", type=int, default=None, help="default: from --counts")
@@ -847,7 +848,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             max_walkthrough=args.max_walkthrough)
     elapsed = time.perf_counter() - start
     total = sum(counts.values())
-    print(f"{total} games in {root} {_describe(counts)[:-1]}; {elapsed:.1f} s, {elapsed / max(total, 1):.3f} s/game)")
+    print(f"{total} games in {root} ({_describe(counts)}; {elapsed:.1f} s, {elapsed / max(total, 1):.3f} s/game)")
     return 0
 
 
