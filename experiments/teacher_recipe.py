@@ -14,14 +14,13 @@ in order, with their output folders under ``--runs``.
 
 The last two stages evaluate the teacher and the student as stop 35 did (all 48 generated ``valid_unseen`` games,
 seeds 42/43/44; about 30 minutes each) and print their success beside the documented one. A stage is done when
-every folder it exports holds a complete Hugging Face checkpoint (``config.json`` and safetensors whose byte count
-matches their header) and an evaluation stage's folder all of ``experiments.evaluate``'s files, whoever made them,
-so the command can be killed and rerun: it
-starts again at the first stage not done. An interrupted SFT stage resumes from its own orbax checkpoints
-(``experiments.train`` resumes an ``--out`` folder that holds them, with the same data order); an interrupted
-copy warm-up stage (at most a few minutes) starts over. Each stage runs as its own process, its output in
-``<runs>/recipe-logs/<stage>.log``; the recipe's record, ``<runs>/teacher_recipe.json``, holds each stage's
-command, wall-clock seconds and exit status (with ``machine`` and the times of earlier runs kept).
+every folder it exports holds a complete Qwen3 Hugging Face checkpoint (its config, and safetensors as long as
+their headers say) and an evaluation stage's folder all of ``experiments.evaluate``'s files, whoever made them,
+so the command can be killed and rerun: it starts again at the first stage not done. An interrupted SFT stage
+resumes from its own orbax checkpoints (``experiments.train`` resumes an ``--out`` folder that holds them, with
+the same data order); an interrupted copy warm-up or evaluation stage starts over. Each stage runs as its own
+process, its output in ``<runs>/recipe-logs/<stage>.log``; the recipe's record, ``<runs>/teacher_recipe.json``,
+holds each stage's command, wall-clock seconds and exit status (with ``machine`` and the times of earlier runs).
 
 The numbers repeat exactly only on the same CPU model (XLA's CPU code differs between models: on the AMD EPYC of
 stop 36 the copy warm-up's phase change came between steps 1,600 and 1,800, at stop 29 between 1,800 and 2,000).
@@ -34,7 +33,6 @@ import json
 import os
 import platform
 import shlex
-import struct
 import subprocess
 import sys
 import time
@@ -146,34 +144,14 @@ def stage_commands(runs: str = "runs") -> list[str]:
 
 
 def checkpoint_complete(folder: str | os.PathLike) -> bool:
-    """``folder`` holds ``config.json`` and safetensors (one file, or the shards its index names), each as long as
-    its header says: a checkpoint whose writing was cut off reads False."""
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        return False
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError):
-            return False
-    else:
-        files = ["model.safetensors"]
-    return all(_safetensors_complete(folder / name) for name in files)
-
-
-def _safetensors_complete(path: Path) -> bool:
+    """``folder`` is a Qwen3 Hugging Face checkpoint whose files were written to the end
+    (``jaxopd.models.weights.check_checkpoint_files``)."""
+    from jaxopd.models.weights import CheckpointError, check_checkpoint_files
     try:
-        size = path.stat().st_size
-        with path.open("rb") as handle:
-            (header_len,) = struct.unpack("<Q", handle.read(8))
-            if header_len > size - 8:
-                return False
-            header = json.loads(handle.read(header_len))
-    except (OSError, struct.error, ValueError):
+        check_checkpoint_files(folder)
+    except (CheckpointError, OSError):
         return False
-    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
-    return size == 8 + header_len + max(ends, default=0)
+    return True
 
 
 def evaluation_success(folder: str | os.PathLike) -> float | None:

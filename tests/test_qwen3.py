@@ -10,7 +10,8 @@ import torch
 from flax import nnx
 
 from jaxopd.models.qwen3 import PRESETS, Qwen3Config, abstract_model, count_params
-from jaxopd.models.weights import CheckpointError, SafetensorsFile, load_qwen3, save_qwen3, write_safetensors
+from jaxopd.models.weights import (CheckpointError, SafetensorsFile, check_checkpoint_files, load_qwen3, read_config,
+                                   save_qwen3, write_safetensors)
 
 PROMPT_LENGTHS = (5, 17, 33, 64)
 
@@ -146,6 +147,25 @@ def _rewrite_tensors(folder, edit):
     del st
     edit(tensors)
     write_safetensors(folder / "model.safetensors", tensors)
+
+
+def test_error_cut_off_safetensors(hf_qwen3, tmp_path):
+    """A checkpoint whose writing was cut off is named as such, by the loader and by the header-only check."""
+    dst = _copy(hf_qwen3[0], tmp_path)
+    assert check_checkpoint_files(dst) == read_config(dst)
+    data = (dst / "model.safetensors").read_bytes()
+    for cut, message in ((len(data) - 1, r"is cut off: its header needs [\d,]+ bytes, the file has [\d,]+"),
+                         (100, r"is not a readable safetensors file \(100 bytes\): its header is said to take"),
+                         (5, r"is cut off: 5 bytes, shorter than a safetensors header")):
+        (dst / "model.safetensors").write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match=message):
+            check_checkpoint_files(dst)
+        with pytest.raises(CheckpointError, match=message):
+            load_qwen3(dst)
+    (dst / "model.safetensors").write_bytes(data)
+    (dst / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        check_checkpoint_files(dst)
 
 
 def test_error_folder_missing(tmp_path):

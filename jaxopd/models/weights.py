@@ -120,13 +120,26 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        size = self.path.stat().st_size
+        if size < 8:
+            raise CheckpointError(f"{str(self.path)!r} is cut off: {size} bytes, shorter than a safetensors header")
         with open(self.path, "rb") as f:
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         (header_len,) = struct.unpack("<Q", self._mmap[:8])
-        header = json.loads(self._mmap[8:8 + header_len].decode("utf-8"))
+        try:
+            if 8 + header_len > size:
+                raise ValueError(f"its header is said to take {header_len:,} bytes")
+            header = json.loads(self._mmap[8:8 + header_len].decode("utf-8"))
+        except ValueError as e:
+            raise CheckpointError(f"{str(self.path)!r} is not a readable safetensors file ({size:,} bytes): "
+                                  f"{e}") from None
         header.pop("__metadata__", None)
         self._entries = header
         self._data_start = 8 + header_len
+        needed = self._data_start + max((entry["data_offsets"][1] for entry in header.values()), default=0)
+        if size < needed:
+            raise CheckpointError(f"{str(self.path)!r} is cut off: its header needs {needed:,} bytes, the file has "
+                                  f"{size:,}")
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -186,6 +199,15 @@ def read_config(folder: str | os.PathLike, *, dtype: str | None = None) -> Qwen3
         return Qwen3Config.from_hf_dict(json.loads(config_path.read_text()), dtype=dtype)
     except ValueError as e:
         raise CheckpointError(f"{config_path}: {e}") from None
+
+
+def check_checkpoint_files(folder: str | os.PathLike) -> Qwen3Config:
+    """``CheckpointError`` unless ``folder`` holds a Qwen3 ``config.json`` and safetensors (one file, or every shard
+    its index names) each as long as its header says (a checkpoint whose writing was cut off fails); returns the
+    config. Reads headers only, no tensor."""
+    config = read_config(folder)
+    _tensor_sources(Path(folder))
+    return config
 
 
 def _tensor_sources(folder: Path) -> dict[str, SafetensorsFile]:
@@ -298,5 +320,6 @@ def save_qwen3(model: Qwen3, folder: str | os.PathLike, *, max_shard_bytes: int 
     return folder
 
 
-__all__ = ["CheckpointError", "KeyRule", "SafetensorsFile", "key_map", "load_qwen3", "read_config",
+__all__ = ["CheckpointError", "KeyRule", "SafetensorsFile", "check_checkpoint_files", "key_map", "load_qwen3",
+           "read_config",
            "save_qwen3", "write_safetensors", "iter_hf_tensors"]
