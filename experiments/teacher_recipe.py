@@ -20,7 +20,7 @@ so the command can be killed and rerun: it starts again at the first stage not d
 resumes from its own orbax checkpoints (``experiments.train`` resumes an ``--out`` folder that holds them, with
 the same data order); an interrupted copy warm-up or evaluation stage starts over. Each stage runs as its own
 process, its output in ``<runs>/recipe-logs/<stage>.log``; the recipe's record, ``<runs>/teacher_recipe.json``,
-holds each stage's command, wall-clock seconds and exit status (with ``machine`` and the times of earlier runs).
+holds every run of each stage: its command, wall-clock seconds, exit status and CPU model (``machine``: the last).
 
 The numbers repeat exactly only on the same CPU model (XLA's CPU code differs between models: on the AMD EPYC of
 stop 36 the copy warm-up's phase change came between steps 1,600 and 1,800, at stop 29 between 1,800 and 2,000).
@@ -226,7 +226,8 @@ def run_recipe(runs: str, *, until: str | None = None, runner: Runner = run_in_p
         status = runner(argv, logfile)
         entry = {"command": stage.command(runs), "started": time.strftime("%Y-%m-%d %H:%M:%S",
                                                                             time.localtime(started)),
-                 "wall_s": round(time.time() - started, 1), "exit_status": status, "log": str(logfile)}
+                 "wall_s": round(time.time() - started, 1), "exit_status": status, "log": str(logfile),
+                 "cpu": record["machine"]["cpu"]}
         record["stages"].setdefault(stage.name, []).append(entry)
         record_path.write_text(json.dumps(record, indent=2) + "\n")
         if status != 0:

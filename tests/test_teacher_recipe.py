@@ -141,6 +141,7 @@ def test_run_recipe_skips_done_stages_stops_at_failure_and_records(tmp_path):
     assert record["stages"]["teacher-list"][0]["command"] == recipe.STAGES[2].command(str(runs))
     assert "copy-warmup-1" not in record["stages"]
     assert isinstance(record["machine"]["cpu"], str) and record["machine"]["cpus"] >= 1
+    assert record["stages"]["teacher-list"][0]["cpu"] == record["machine"]["cpu"]
     # rerun: continues at the failed stage, up to --until
     runner = FakeRunner(runs)
     assert recipe.run_recipe(str(runs), until="student-tool40", runner=runner, log=lines.append) == 0
