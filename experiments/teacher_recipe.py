@@ -41,7 +41,7 @@ from typing import Callable, Sequence
 
 from jaxopd.cli import Parser, UsageError, check_out_dir, run_main
 
-__all__ = ["Stage", "STAGES", "stage_commands", "checkpoint_complete", "stage_done", "run_recipe", "main"]
+__all__ = ["Stage", "STAGES", "checkpoint_complete", "stage_done", "run_recipe", "main"]
 
 # The searching-expert SFT settings every stage from the act teacher on shares (results/train, stops 30-31).
 _TOOL_SFT = ("--method sft --preset cpu --sft-demonstrations searching-expert --sft-thinking task-tool-act-here "
@@ -67,11 +67,24 @@ class Stage:
     evaluation: str | None = None
     documented_success: float | None = None
 
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """Every folder (relative to the runs folder) whose completeness marks the stage done."""
+        return self.exports + ((self.evaluation,) if self.evaluation else ())
+
     def argv(self, runs: str) -> list[str]:
         return shlex.split(self.args.format(runs=runs))
 
     def command(self, runs: str) -> str:
         return f"python -m {self.module} {shlex.join(self.argv(runs))}"
+
+
+def _evaluate(name: str, model: str, out: str, measured_s: float, source: str, success: float) -> Stage:
+    """The stop-35 evaluation of ``model``: all 48 generated ``valid_unseen`` games x seeds 42/43/44."""
+    return Stage(name, "experiments.evaluate",
+                 f"--student {{runs}}/{model} --split valid_unseen --seeds 42 43 44 --max-turns 30 "
+                 f"--max-prompt-tokens 1024 --think-tokens 96 128 --slots 8 --no-progress --out {{runs}}/eval/{out}",
+                 (), measured_s, source, evaluation=f"eval/{out}", documented_success=success)
 
 
 STAGES: tuple[Stage, ...] = (
@@ -119,28 +132,12 @@ STAGES: tuple[Stage, ...] = (
           "--checkpoint-every 40 --keep-checkpoints 2 --no-eval --no-progress --out {runs}/sft-more "
           "--student {runs}/teacher-missing-hf --export {runs}/teacher-more-hf",
           ("teacher-more-hf",), 1692, "stop 31 (the teacher: 40.3 % on 48 games)"),
-)
-
-def _evaluate(name: str, model: str, out: str, measured_s: float, source: str, success: float) -> Stage:
-    """The stop-35 evaluation of ``model``: all 48 generated ``valid_unseen`` games x seeds 42/43/44."""
-    return Stage(name, "experiments.evaluate",
-                 f"--student {{runs}}/{model} --split valid_unseen --seeds 42 43 44 --max-turns 30 "
-                 f"--max-prompt-tokens 1024 --think-tokens 96 128 --slots 8 --no-progress --out {{runs}}/eval/{out}",
-                 (), measured_s, source, evaluation=f"eval/{out}", documented_success=success)
-
-
-STAGES += (
     _evaluate("evaluate-teacher", "teacher-more-hf", "teacher-more-48", 1705, "stop 35", 58 / 144),
     _evaluate("evaluate-student", "student-tool40-hf", "student-tool40-48", 2082, "stop 35", 28 / 144),
 )
 
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 RECORD = "teacher_recipe.json"
-
-
-def stage_commands(runs: str = "runs") -> list[str]:
-    """Every stage's command as a user types it, in order."""
-    return [stage.command(runs) for stage in STAGES]
 
 
 def checkpoint_complete(folder: str | os.PathLike) -> bool:
@@ -172,10 +169,6 @@ def stage_done(stage: Stage, runs: str | os.PathLike) -> bool:
     if stage.evaluation is not None and evaluation_success(Path(runs) / stage.evaluation) is None:
         return False
     return all(checkpoint_complete(Path(runs) / folder) for folder in stage.exports)
-
-
-def _outputs(stage: Stage) -> tuple[str, ...]:
-    return stage.exports + ((stage.evaluation,) if stage.evaluation else ())
 
 
 Runner = Callable[[Sequence[str], Path], int]
@@ -216,7 +209,7 @@ def run_recipe(runs: str, *, until: str | None = None, runner: Runner = run_in_p
     last = STAGE_NAMES.index(until) if until is not None else len(STAGES) - 1
     for stage in STAGES[:last + 1]:
         if stage_done(stage, root):
-            log(f"[{stage.name}] done: {', '.join(str(root / f) for f in _outputs(stage))}{_success(stage, root)}")
+            log(f"[{stage.name}] done: {', '.join(str(root / f) for f in stage.outputs)}{_success(stage, root)}")
             continue
         argv = [sys.executable, "-m", stage.module, *stage.argv(runs)]
         logfile = root / "recipe-logs" / f"{stage.name}.log"
@@ -234,7 +227,7 @@ def run_recipe(runs: str, *, until: str | None = None, runner: Runner = run_in_p
             log(f"[{stage.name}] failed with exit status {status}; see {logfile}. Rerun to continue from it.")
             return status
         if not stage_done(stage, root):
-            log(f"[{stage.name}] exited 0 but did not write {', '.join(_outputs(stage))} under {root}")
+            log(f"[{stage.name}] exited 0 but did not write {', '.join(stage.outputs)} under {root}")
             return 1
         log(f"[{stage.name}] finished in {entry['wall_s']:,.0f} s{_success(stage, root)}")
     return 0
