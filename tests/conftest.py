@@ -42,5 +42,20 @@ def hf_qwen3(request, tmp_path_factory):
     return folder, model
 
 
+def _foreign_kernels_distribution() -> str | None:
+    """The version of an installed distribution named ``kernels`` (Hugging Face's), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("kernels")
+    except PackageNotFoundError:
+        return None
+
+
 def pytest_configure(config):
+    foreign = _foreign_kernels_distribution()
+    if foreign is not None:
+        raise pytest.UsageError(
+            f"the distribution `kernels` {foreign} (Hugging Face's, required by transformers >= 5.25) is installed; "
+            "its import name collides with this project's kernels/ package, so transformers' Qwen3 imports ours "
+            "and fails. Install the pinned transformers (pip install -e '.[envs,test]') and `pip uninstall kernels`.")
     config.addinivalue_line("markers", "slow: heavier tests (run in CI; deselect with -m 'not slow')")
