@@ -48,6 +48,12 @@ def test_run_sft_trains_with_the_context_term_resumes_and_exports(source, tmp_pa
     for record in records:
         assert np.isfinite(record["loss"]) and record["context_tokens"] > 10 * record["supervised_tokens"]
         assert record["loss"] == pytest.approx(record["nll"] + record["context_nll"], rel=1e-5)
+    # a run killed after its step-2 checkpoint had logged steps 3 and 4 (and torn a line): the resumed run
+    # writes them again, once each
+    with (out / "train.jsonl").open("a") as handle:
+        for stale in (3, 4):
+            handle.write(json.dumps({"kind": "train", "step": stale, "loss": -1.0}) + "\n")
+        handle.write('{"kind": "train", "st')
     # resumed to 4 steps: the checkpoint of step 2 continues, and the export holds the trained weights
     second = sft(source, out, 4, export=str(tmp_path / "hf"), keep_checkpoints=1)
     with TrainCheckpointer(out / "checkpoints") as checkpointer:

@@ -167,7 +167,7 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
     else:
         state = init_train_state(params, optimizer, shardings)
     step = int(jax.device_get(state.step))
-    writer = MetricsWriter(out_dir, tensorboard=tensorboard)
+    writer = MetricsWriter(out_dir, tensorboard=tensorboard, resume_step=step)   # drops records past the checkpoint
     bar = None
     if progress:
         from tqdm import tqdm
