@@ -40,7 +40,7 @@ FLAG_FIELDS = ("benchmark", "games", "generated_train_games", "student", "teache
                "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "sft_demonstrations",
                "sft_context_weight", "sft_thinking", "sft_renamed_copies", "sft_take_copies", "sft_arrival_copies",
                "sft_change_copies", "sft_refused_copies", "sft_missing_copies", "lr_schedule",
-               "max_supervised_tokens")
+               "sft_group_by_length", "max_supervised_tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SFT (ALFWorld): then K more renamed copies of the turns after a refused go to a receptacle "
                         "the room does not have (one past the last of the class the agent stands at), with the same "
                         "demonstrated action; default 0")
+    p.add_argument("--sft-group-by-length", type=int, default=None, metavar="W",
+                   help="SFT: batches of samples of similar length (less padding, faster steps): each window of W "
+                        "batches of the epoch's shuffled order is sorted by length, cut, and its batches shuffled; "
+                        "default 0 (off)")
     p.add_argument("--export-at", nargs=2, action="append", default=None, metavar=("STEP", "DIR"),
                    help="SFT: also write the model of step STEP as a Hugging Face folder DIR when the run passes it "
                         "(a weaker student from the teacher's own run; repeatable)")
@@ -358,6 +362,7 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
                       max_grad_norm=config.max_grad_norm, lr_schedule=config.lr_schedule, seed=config.seed,
                       max_train_tokens=config.max_train_tokens,
                       max_supervised_tokens=supervised, context_lm_weight=config.sft_context_weight,
+                      group_by_length=config.sft_group_by_length,
                       checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                       eval_every=config.eval_every, evaluate=evaluate, exports=export_steps(args, steps),
                       progress=progress)

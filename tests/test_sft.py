@@ -433,9 +433,46 @@ def test_dataset_epochs_cover_every_sample_once_deterministically():
     assert batch.tokens.shape[0] == 4 and not batch.loss_mask[3].any()
 
 
+def _sized_samples(lengths):
+    """Samples whose first token is their index and whose length is ``lengths[index]``."""
+    return [Sample(np.array([i] + [1] * (n - 1)), np.array([False] + [True] * (n - 1)), np.zeros(n, np.float32), 0)
+            for i, n in enumerate(lengths)]
+
+
+def test_dataset_grouped_by_length_sorts_each_window_and_keeps_the_epoch():
+    lengths = np.random.default_rng(3).integers(5, 60, size=27).tolist()
+    samples = _sized_samples(lengths)
+    plain = SFTDataset(samples, 4, seed=7)
+    grouped = SFTDataset(samples, 4, seed=7, group_by_length=3)        # windows of 12 samples, 3 batches each
+    assert grouped.batches_per_epoch == plain.batches_per_epoch == 7
+    for epoch in range(2):
+        # off (0) is the plain seeded permutation, the order runs made before grouping existed
+        permutation = np.random.default_rng(np.random.SeedSequence([7, epoch])).permutation(27)
+        assert plain.order(epoch).tolist() == permutation.tolist()
+        batches = [_ids(b) for b in grouped.batches(epoch)]
+        assert [len(b) for b in batches] == [4, 4, 4, 4, 4, 4, 3]        # the remainder stays last
+        assert sorted(i for b in batches for i in b) == list(range(27))
+        for window in range(3):
+            members = permutation[12 * window:12 * (window + 1)].tolist()
+            served = batches[3 * window:3 * (window + 1)]
+            assert sorted(i for b in served for i in b) == sorted(members)    # a window keeps its samples
+            by_length = sorted(members, key=lambda i: -lengths[i])
+            runs = [sorted(lengths[i] for i in by_length[k:k + 4]) for k in range(0, len(members), 4)]
+            assert sorted(sorted(lengths[i] for i in b) for b in served) == sorted(runs)   # batches of neighbours
+        assert [_ids(b) for b in grouped.batches(epoch, start=2)] == batches[2:]            # resume mid-epoch
+        assert [_ids(b) for b in SFTDataset(samples, 4, seed=7, group_by_length=3).batches(epoch)] == batches
+    assert [_ids(b) for b in grouped.batches(0)] != [_ids(b) for b in grouped.batches(1)]
+
+    def padded(dataset):
+        return sum(4 * max(len(s) for s in batch) for batch in dataset.batches(0))
+    assert padded(SFTDataset(samples, 4, seed=7, group_by_length=7)) < 0.85 * padded(plain)
+
+
 def test_dataset_rejects_bad_arguments():
     samples = _numbered_samples(3)
-    for bad in [dict(batch_size=0), dict(batch_size=True), dict(batch_size=4, drop_last=True)]:
+    for bad in [dict(batch_size=0), dict(batch_size=True), dict(batch_size=4, drop_last=True),
+                dict(batch_size=2, group_by_length=-1), dict(batch_size=2, group_by_length=True),
+                dict(batch_size=2, group_by_length=1.5)]:
         with pytest.raises(ValueError):
             SFTDataset(samples, **bad)
     with pytest.raises(ValueError):

@@ -39,7 +39,7 @@ def test_run_sft_trains_with_the_context_term_resumes_and_exports(source, tmp_pa
 
     out = tmp_path / "sft"
     out.mkdir()
-    first = sft(source, out, 2)
+    first = sft(source, out, 2, sft_group_by_length=2)          # batches of similar length, resumed the same way
     assert first["steps"] == 2 and first["samples"] == first["data"]["samples"] > 0
     assert first["demonstrations"] == {"kind": "walkthrough", "games": 2, "demonstrated": 2, "failed": {}}
     assert json.loads((out / "config.json").read_text())["sft_context_weight"] == 1.0
@@ -55,7 +55,7 @@ def test_run_sft_trains_with_the_context_term_resumes_and_exports(source, tmp_pa
             handle.write(json.dumps({"kind": "train", "step": stale, "loss": -1.0}) + "\n")
         handle.write('{"kind": "train", "st')
     # resumed to 4 steps: the checkpoint of step 2 continues, and the export holds the trained weights
-    second = sft(source, out, 4, export=str(tmp_path / "hf"), keep_checkpoints=1)
+    second = sft(source, out, 4, export=str(tmp_path / "hf"), keep_checkpoints=1, sft_group_by_length=2)
     with TrainCheckpointer(out / "checkpoints") as checkpointer:
         assert checkpointer.all_steps() == [4]       # --keep-checkpoints 1: the step-2 checkpoint is gone
     records = [r for r in read_jsonl(out / "train.jsonl") if r["kind"] == "train"]
@@ -114,6 +114,13 @@ def test_renamed_copies_join_the_corpus_with_their_own_names(source):
         build_config("sft", preset="cpu", benchmark="scienceworld", sft_renamed_copies=1)
     with pytest.raises(ValueError, match="learning-rate schedule"):
         build_config("vanilla-opd", preset="cpu", lr_schedule="cosine")
+    with pytest.raises(ValueError, match="sft_group_by_length orders SFT's batches"):
+        build_config("vanilla-opd", preset="cpu", sft_group_by_length=4)
+    with pytest.raises(ValueError, match="sft_group_by_length must be a non-negative integer"):
+        build_config("sft", preset="cpu", sft_group_by_length=-1)
+    from experiments.train import build_parser, config_from_args
+    args = build_parser().parse_args(["--method", "sft", "--out", "unused", "--sft-group-by-length", "32"])
+    assert config_from_args(args).sft_group_by_length == 32
 
 
 def _after_go_or_open(text: str) -> bool:

@@ -135,6 +135,7 @@ class RunConfig:
     sft_refused_copies: int = 0              # ... and of the turns after one refused command (sft_data.refused_turn)
     sft_missing_copies: int = 0              # ... and after a go to a missing receptacle (sft_data.missing_turn)
     lr_schedule: str = "constant"            # SFT only: "cosine" warms up over 5 % of the steps, then decays to 10 %
+    sft_group_by_length: int = 0             # SFT only: batches of similar length, windows of this many (SFTDataset)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -158,6 +159,9 @@ class RunConfig:
         if self.lr_schedule != "constant" and self.method != "sft":
             raise ValueError(f"a {self.lr_schedule} learning-rate schedule is for SFT's fixed number of steps; the "
                              "distillation methods keep the papers' constant rate")
+        if self.sft_group_by_length and self.method != "sft":
+            raise ValueError("sft_group_by_length orders SFT's batches; a distillation method trains on the batches "
+                             "its rollouts give")
         for name in ("sft_renamed_copies", "sft_take_copies", "sft_arrival_copies", "sft_change_copies",
                      "sft_refused_copies", "sft_missing_copies"):
             if getattr(self, name) and self.benchmark != "alfworld":
@@ -191,7 +195,7 @@ class RunConfig:
                 raise ValueError(f"RunConfig.{name} must be a positive integer or None, got {value!r}")
         for name in ("max_version_lag", "eval_every", "second_stage_tokens", "top_k", "sft_renamed_copies",
                      "sft_take_copies", "sft_arrival_copies", "sft_change_copies", "sft_refused_copies",
-                     "sft_missing_copies"):
+                     "sft_missing_copies", "sft_group_by_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"RunConfig.{name} must be a non-negative integer, got {value!r}")

@@ -113,7 +113,8 @@ def sft_steps(num_samples: int, batch_size: int, epochs: float) -> int:
 def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLike, *, steps: int, batch_size: int,
               learning_rate: float, weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0,
               max_train_tokens: int = 2048, max_supervised_tokens: int | None = 64, context_lm_weight: float = 0.0,
-              lr_schedule: str = "constant", checkpoint_every: int = 50, keep_checkpoints: int = 3,
+              lr_schedule: str = "constant", group_by_length: int = 0, checkpoint_every: int = 50,
+              keep_checkpoints: int = 3,
               eval_every: int = 0, evaluate: Callable[[Qwen3, int], Mapping[str, Any]] | None = None,
               exports: Mapping[int, str | os.PathLike] | None = None,
               progress: bool = True, tensorboard: bool = True, log: Callable[[str], None] = print) -> Qwen3:
@@ -122,7 +123,8 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
     ``context_lm_weight`` > 0 adds the language-model term on the prompt tokens (``LossConfig.context_lm_weight``)
     over the corpus vocabulary of ``samples`` (:func:`corpus_vocabulary`). ``lr_schedule="cosine"`` warms the rate up
     over the first 5 % of ``steps`` and decays it to a tenth at ``steps`` (``OptimizerConfig``); a resumed run
-    keeps its schedule only when given the same ``steps``.
+    keeps its schedule only when given the same ``steps``. ``group_by_length`` W > 0 batches samples of similar
+    length (``SFTDataset``); a resumed run must be given the same W to continue its data order.
 
     Keeps the newest ``keep_checkpoints`` checkpoints (one every ``checkpoint_every`` steps and the last).
     Resumes from ``out_dir/checkpoints`` when it holds a checkpoint (the data order continues exactly).
@@ -143,7 +145,7 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
         raise ValueError(f"export steps must lie in [1, {steps}], got {bad}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    dataset = SFTDataset(samples, batch_size, seed=seed)
+    dataset = SFTDataset(samples, batch_size, seed=seed, group_by_length=group_by_length)
     loss_config = LossConfig(kind="sft", temperature=1.0, max_supervised_tokens=max_supervised_tokens,
                              context_lm_weight=context_lm_weight,
                              context_vocab=corpus_vocabulary(samples) if context_lm_weight > 0 else None)

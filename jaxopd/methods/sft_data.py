@@ -629,9 +629,16 @@ class SFTDataset:
     every sample exactly once; its last batch holds the remainder (fewer than ``batch_size`` samples; pad it
     with ``collate_samples(batch_size=...)``: empty rows do not change the loss) unless ``drop_last``, which
     drops it (those samples then miss that epoch).
+
+    ``group_by_length`` W > 0 serves batches of samples of similar length (HF Trainer's ``group_by_length``): the
+    epoch's permutation is cut into windows of W batches, each window sorted by sample length (longest first) and cut
+    into batches, and those batches are shuffled within their window (seeded by ``(seed, epoch)`` too). A batch is
+    padded to its longest sample, so it pads less: on the 2,329 expert turns of the generated training games a quarter
+    fewer padded tokens at W = 32 (``bench/sft_step.py``). The remainder batch is still the epoch's last.
     """
 
-    def __init__(self, samples: Sequence[Sample], batch_size: int, *, seed: int = 0, drop_last: bool = False):
+    def __init__(self, samples: Sequence[Sample], batch_size: int, *, seed: int = 0, drop_last: bool = False,
+                 group_by_length: int = 0):
         samples = list(samples)
         if not samples:
             raise ValueError("SFTDataset needs at least one sample")
@@ -643,8 +650,13 @@ class SFTDataset:
             raise ValueError(f"drop_last with batch_size {batch_size} > {len(samples)} samples leaves no batch")
         self.samples = samples
         self.batch_size = int(batch_size)
+        if isinstance(group_by_length, bool) or int(group_by_length) != group_by_length or group_by_length < 0:
+            raise ValueError(f"group_by_length must be a non-negative integer (batches per window), "
+                             f"got {group_by_length!r}")
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
+        self.group_by_length = int(group_by_length)
+        self._lengths = np.array([len(s) for s in samples], np.int64)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -659,7 +671,20 @@ class SFTDataset:
         if isinstance(epoch, bool) or int(epoch) != epoch or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, int(epoch)]))
-        return rng.permutation(len(self.samples))
+        order = rng.permutation(len(self.samples))
+        if not self.group_by_length:
+            return order
+        size = self.batch_size
+        window = self.group_by_length * size
+        full = len(order) // size * size              # the samples of full batches; the rest is the remainder
+        grouped = []
+        for start in range(0, len(order), window):
+            chunk = order[start:start + window]
+            chunk = chunk[np.argsort(-self._lengths[chunk], kind="stable")]
+            batches = [chunk[i:i + size] for i in range(0, len(chunk), size)]
+            rest = [] if start + len(chunk) <= full else [batches.pop()]   # a partial batch stays last
+            grouped += [batches[i] for i in rng.permutation(len(batches))] + rest
+        return np.concatenate(grouped)
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, batch index) of the ``step``-th batch (0-based) of a run that started at epoch 0, batch 0."""
