@@ -5,7 +5,9 @@ the evaluation records training runs write.
 Owns the command line: input checks (one line and exit code 2 for bad input), the model, tokenizer, engine and
 task source, the run (``jaxopd.methods.evaluate.evaluate_policy``) and its outputs (``write_evaluation``: JSON,
 markdown, per-episode CSV, a per-task-type PNG, with the command line, the machine and every departure from the
-paper's evaluation protocol, which ``jaxopd.methods.evaluate``'s docstring records).
+paper's evaluation protocol, which ``jaxopd.methods.evaluate``'s docstring records). Each finished episode is
+appended to ``<out>/episodes.partial.jsonl`` (after a first line naming the evaluation's settings), so the same
+command after a kill plays only the episodes not yet played; the file is removed once the outputs are written.
 
     python -m experiments.evaluate --student /models/student --benchmark alfworld --split valid_seen valid_unseen
     python -m experiments.evaluate --model-preset tiny --num-tasks 2 --seeds 42 --max-turns 2   # smoke test only
@@ -17,17 +19,18 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from jaxopd import cli
 from jaxopd.methods.benchmarks import (BENCHMARKS, EVAL_SPLITS, GAME_SOURCES, TRAIN_SPLIT, BenchmarkError,
                                        BenchmarkSource, resolve_source, subset)
-from jaxopd.methods.evaluate import (PAPER_SEEDS, PAPER_TEMPERATURE, evaluate_policy, markdown_table,
+from jaxopd.methods.evaluate import (PAPER_SEEDS, PAPER_TEMPERATURE, EpisodeRecord, evaluate_policy, markdown_table,
                                      plot_learning_curves, read_history, summarize, write_evaluation)
 
 PAPER = {"max_turns": 30, "max_prompt_tokens": 20_480, "first_stage_tokens": 1_920, "total_tokens": 2_048,
@@ -245,6 +248,57 @@ def _load_model(options: EvalOptions):
     return model, {**info, "note": "random weights: smoke test only"}
 
 
+PARTIAL_FILE = "episodes.partial.jsonl"
+_NOT_IDENTITY = ("out", "progress", "command", "slots", "num_pages")   # settings that do not change an episode
+
+
+def evaluation_identity(options: EvalOptions, source: BenchmarkSource) -> dict[str, Any]:
+    """What an evaluation's episodes depend on: the options but where the results go and how many run at once, and
+    the games' folder."""
+    values = {k: v for k, v in dataclasses.asdict(options).items() if k not in _NOT_IDENTITY}
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+    return {**values, "games_root": str(source.root) if source.root else None}
+
+
+def read_partial(out: Path, identity: Mapping[str, Any]) -> dict[tuple[int, str], EpisodeRecord]:
+    """The episodes a killed evaluation of ``identity`` left in ``out``; ``ValueError`` when they are another
+    evaluation's. A torn last line (killed mid-write) is skipped."""
+    from jaxopd.methods.metrics_log import read_jsonl
+
+    lines = read_jsonl(out / PARTIAL_FILE)
+    if not lines:
+        return {}
+    if lines[0].get("identity") != dict(identity):
+        raise ValueError(f"{out / PARTIAL_FILE} holds the episodes of another evaluation "
+                         f"({json.dumps(lines[0].get('identity'), sort_keys=True)}); remove it or give another --out")
+    records = [EpisodeRecord.from_dict(line["record"]) for line in lines[1:]]
+    return {(r.seed, r.task_id): r for r in records}
+
+
+class PartialWriter:
+    """Appends each finished episode to ``out/episodes.partial.jsonl`` (the identity line first)."""
+
+    def __init__(self, out: Path, identity: Mapping[str, Any]):
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / PARTIAL_FILE
+        text = self.path.read_text(encoding="utf-8") if self.path.is_file() else ""
+        text = text[:text.rfind("\n") + 1]             # without a torn last line (a kill mid-write)
+        self.path.write_text(text, encoding="utf-8")
+        self._handle = self.path.open("a", encoding="utf-8")
+        if not text:
+            self._write({"identity": dict(identity)})
+
+    def _write(self, line: Mapping[str, Any]) -> None:
+        self._handle.write(json.dumps(line, sort_keys=True) + "\n")
+        self._handle.flush()
+
+    def __call__(self, record: EpisodeRecord) -> None:
+        self._write({"record": record.as_dict()})
+
+    def close(self) -> None:
+        self._handle.close()
+
+
 def run_evaluation(options: EvalOptions, source: BenchmarkSource, *,
                    model_and_info: tuple[Any, dict[str, Any]] | None = None,
                    engine_factory: Callable[[Any, Any, Any], Any] | None = None, tokenizer: Any = None,
@@ -290,6 +344,11 @@ def run_evaluation(options: EvalOptions, source: BenchmarkSource, *,
             return Engine(model, config, tokenizer=tokenizer)
 
     rollout_config = rollout_config_for(options)
+    identity = evaluation_identity(options, source)
+    done = read_partial(Path(options.out), identity)
+    if done:
+        log(f"resuming: {len(done)} of {len(tasks) * len(options.seeds)} episodes were played by an earlier run "
+            f"({Path(options.out) / PARTIAL_FILE})", flush=True)
     engine = engine_factory(model, engine_config, tokenizer)
     slots = max(1, min(options.slots, len(tasks) * len(options.seeds)))
     t = time.perf_counter()
@@ -297,10 +356,12 @@ def run_evaluation(options: EvalOptions, source: BenchmarkSource, *,
         if hasattr(engine, "__enter__"):
             stack.enter_context(engine)
         pool = stack.enter_context(EnvPool(source.env_factory, num_slots=slots, backend=pool_backend))
+        partial = PartialWriter(Path(options.out), identity)
+        stack.callback(partial.close)
         pooled, records = evaluate_policy(engine, pool, tokenizer, tasks, seeds=options.seeds,
                                           rollout_config=rollout_config, greedy=options.greedy,
                                           progress=options.progress, benchmark=options.benchmark,
-                                          split="+".join(options.splits))
+                                          split="+".join(options.splits), done=done, on_record=partial)
     timing["evaluation_s"] = time.perf_counter() - t
     summaries = [summarize([r for r in records if r.split == split], benchmark=options.benchmark, split=split)
                  for split in options.splits]
@@ -329,11 +390,13 @@ def run_evaluation(options: EvalOptions, source: BenchmarkSource, *,
         "rollout_config": dataclasses.asdict(rollout_config),
         "engine_config": dataclasses.asdict(engine_config) if dataclasses.is_dataclass(engine_config) else None,
         "slots": slots,
+        "resumed_episodes": len(done),     # played by an earlier, killed run of this evaluation (not in timing_s)
         "departures": departures_from_paper(options, source, task_counts, available),
         "machine": machine_info(),
         "timing_s": timing,
     }
     write_evaluation(options.out, summaries, records, meta)
+    (Path(options.out) / PARTIAL_FILE).unlink(missing_ok=True)
     return {"meta": meta, "summaries": summaries, "records": records}
 
 

@@ -221,6 +221,68 @@ def test_cli_run_writes_its_outputs(tok, alfworld, tmp_path):
     assert [r.won for r in results["records"]] == [True, True]
 
 
+class Killed(BaseException):
+    """What a kill looks like to the evaluation: not an episode's error (those are recorded), the end of the run."""
+
+
+class KilledEngine(ScriptedEngine):
+    """A scripted engine that stops the whole evaluation at one sampling seed's first request."""
+
+    def __init__(self, tokenizer, script, kill_seed):
+        super().__init__(tokenizer, script)
+        self.kill_seed = kill_seed
+
+    def submit(self, request):
+        if request.params.seed == self.kill_seed:
+            raise Killed()
+        return super().submit(request)
+
+
+def test_cli_a_killed_evaluation_resumes_with_the_episodes_it_played(tok, alfworld, tmp_path):
+    source, _, task, walkthrough = alfworld
+    out = tmp_path / "out"
+
+    def options(*extra):
+        return cli.options_from_args(cli.build_parser().parse_args([
+            "--model-preset", "tiny", "--seeds", "42", "43", "44", "--max-turns", "8", "--max-prompt-tokens", "4096",
+            "--think-tokens", "64", "96", "--slots", "1", "--out", str(out), "--no-progress", *extra]))
+
+    engines = []
+
+    def run(engine_class, opts, **kwargs):
+        def factory(model, config, tokenizer):
+            engines.append(engine_class(tokenizer, walkthrough_script(walkthrough), **kwargs))
+            return engines[-1]
+        return cli.run_evaluation(opts, source, model_and_info=(None, {"name": "scripted"}), tokenizer=tok,
+                                  pool_backend="thread", engine_factory=factory)
+
+    # one slot plays the seeds in order: 42 and 43 finish, then the run dies at seed 44's first request
+    with pytest.raises(Killed):
+        run(KilledEngine, options(), kill_seed=request_seed(44, task.task_id, 1, "full"))
+    lines = (out / cli.PARTIAL_FILE).read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[0])["identity"]["seeds"] == [42, 43, 44]
+    assert [json.loads(line)["record"]["seed"] for line in lines[1:]] == [42, 43]
+    assert not (out / "evaluation.json").exists()
+    with (out / cli.PARTIAL_FILE).open("a") as handle:       # the kill tore a line
+        handle.write('{"record": {"task_id": ')
+
+    # another setting does not take those episodes
+    with pytest.raises(ValueError, match="holds the episodes of another evaluation"):
+        run(ScriptedEngine, options("--max-turns", "9"))
+
+    results = run(ScriptedEngine, options())
+    assert {s.request.params.seed for s in engines[-1].seen} == {request_seed(44, task.task_id, turn, "full")
+                                                                  for turn in range(1, len(walkthrough) + 1)}
+    assert [(r.seed, r.won, r.rounds) for r in results["records"]] == [(s, True, len(walkthrough))
+                                                                      for s in (42, 43, 44)]
+    assert results["meta"]["resumed_episodes"] == 2
+    assert results["summaries"][0]["overall"]["success_rate"] == {"mean": 1.0, "std": 0.0, "n": 3}
+    assert all((out / name).stat().st_size > 0 for name in OUTPUT_FILES)
+    assert not (out / cli.PARTIAL_FILE).exists()
+    data = json.loads((out / "evaluation.json").read_text())
+    assert [episode["seed"] for episode in data["episodes"]] == [42, 43, 44]
+
+
 # ------------------------------------------------------------------------------------------------- bad input
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("ALFWORLD_DATA", raising=False)

@@ -41,7 +41,7 @@ import queue
 import statistics
 import threading
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from envs.base import Task
 from jaxopd.rollout.prompts import executed_actions_and_answers
@@ -107,6 +107,14 @@ class EpisodeRecord:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "EpisodeRecord":
+        """The record ``as_dict`` gave (read back from JSON: its lists become tuples again)."""
+        values = dict(data)
+        for name in _TRANSCRIPT_FIELDS:
+            values[name] = tuple(values.get(name, ()))
+        return cls(**values)
 
 
 # ----------------------------------------------------------------------------------------------- summary
@@ -216,7 +224,9 @@ def _error_record(task: Task, seed: int, error: BaseException, episode: Episode 
 def evaluate_policy(engine: Any, source_or_pool: Any, tokenizer: Any, tasks: Sequence[Task], *,
                     seeds: Sequence[int] = PAPER_SEEDS, rollout_config: RolloutConfig, greedy: bool,
                     progress: bool = True, slots: int | None = None, backend: str = "auto",
-                    benchmark: str | None = None, split: str | None = None
+                    benchmark: str | None = None, split: str | None = None,
+                    done: Mapping[tuple[int, str], EpisodeRecord] | None = None,
+                    on_record: Callable[[EpisodeRecord], None] | None = None
                     ) -> tuple[dict[str, Any], list[EpisodeRecord]]:
     """Play every task once per seed with the vanilla think-then-act strategy; ``(summarize(records), records)``.
 
@@ -227,6 +237,10 @@ def evaluate_policy(engine: Any, source_or_pool: Any, tokenizer: Any, tasks: Seq
     end the whole batch, so episodes are run here one by one: an episode that raises is recorded as failed
     (``end_reason`` ``"error: <type>: <message>"``, its executed turns as rounds) and the others go on. Records come
     in seed order, then task order.
+
+    ``done`` maps ``(seed, task_id)`` to the record of an episode already played (a resumed evaluation): it is not
+    played again and comes back in its place. ``on_record(record)`` is called once for each episode played here,
+    as it finishes (``experiments.evaluate`` appends it to a file, so a killed evaluation resumes).
     """
     tasks = list(tasks)
     seeds = [int(s) for s in seeds]
@@ -257,15 +271,16 @@ def evaluate_policy(engine: Any, source_or_pool: Any, tokenizer: Any, tasks: Seq
                                          dataclasses.replace(rollout_config, seed=seed, temperature=temperature),
                                          live=live)
                       for seed in seeds}
-        jobs = [(seed, task) for seed in seeds for task in tasks]
+        done = dict(done or {})
+        jobs = [(seed, task) for seed in seeds for task in tasks if (seed, task.task_id) not in done]
         free_slots: queue.SimpleQueue = queue.SimpleQueue()
         for slot in range(pool.num_slots):
             free_slots.put(slot)
         lock = threading.Lock()
-        counts = {"won": 0, "errors": 0}
+        counts = {"won": sum(r.won for r in done.values()), "errors": sum(r.failed_with_error for r in done.values())}
         from tqdm import tqdm
-        bar = tqdm(total=len(jobs), desc=f"evaluate {benchmark} {split}", unit="episode", disable=not progress,
-                   dynamic_ncols=True)
+        bar = tqdm(total=len(jobs) + len(done), initial=len(done), desc=f"evaluate {benchmark} {split}",
+                   unit="episode", disable=not progress, dynamic_ncols=True)
 
         def play(seed: int, task: Task) -> EpisodeRecord:
             slot = free_slots.get()
@@ -280,6 +295,8 @@ def evaluate_policy(engine: Any, source_or_pool: Any, tokenizer: Any, tasks: Seq
                 live.pop(slot, None)
                 free_slots.put(slot)
             with lock:
+                if on_record is not None:
+                    on_record(record)
                 counts["won"] += record.won
                 counts["errors"] += record.failed_with_error
                 bar.update(1)
@@ -290,8 +307,10 @@ def evaluate_policy(engine: Any, source_or_pool: Any, tokenizer: Any, tasks: Seq
             workers = max(1, min(pool.num_slots, len(jobs)))
             with concurrent.futures.ThreadPoolExecutor(max_workers=workers,
                                                        thread_name_prefix="evaluate") as executor:
-                futures = [executor.submit(play, seed, task) for seed, task in jobs]
-                records = [future.result() for future in futures]
+                futures = {(seed, task.task_id): executor.submit(play, seed, task) for seed, task in jobs}
+                played = {key: future.result() for key, future in futures.items()}
+            records = [done[key] if key in done else played[key]
+                       for key in ((seed, task.task_id) for seed in seeds for task in tasks)]
         finally:
             bar.close()
     finally:
