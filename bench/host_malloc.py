@@ -33,10 +33,9 @@ def child(args) -> dict:
 
     from jaxopd.host_malloc import tune_malloc
     from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from bench.common import sft_train_step
     from jaxopd.train.buffer import Sample, collate_samples
-    from jaxopd.train.mesh import RolePlan, build_meshes
-    from jaxopd.train.step import (LossConfig, OptimizerConfig, batch_shardings, init_train_state, make_optimizer,
-                                   make_train_step, place_batch, train_state_shardings)
+    from jaxopd.train.step import LossConfig, place_batch
 
     tuned = tune_malloc()
     model = Qwen3(Qwen3Config.preset("tiny"), rngs=nnx.Rngs(0))
@@ -50,13 +49,7 @@ def child(args) -> dict:
                               policy_version=0))
     loss = LossConfig(kind="sft", temperature=1.0, max_supervised_tokens=args.supervised, context_lm_weight=1.0,
                       context_vocab=vocab)
-    meshes = build_meshes(RolePlan.for_device_count(len(jax.devices())))
-    graphdef, params = nnx.split(model, nnx.Param)
-    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-4))
-    shardings = train_state_shardings(params, optimizer, meshes.trainer)
-    rows = batch_shardings(meshes.trainer)
-    step = make_train_step(graphdef, optimizer, loss, shardings, rows)
-    state = init_train_state(params, optimizer, shardings)
+    step, state, rows = sft_train_step(model, loss)
     batch = place_batch(collate_samples(samples, batch_size=args.batch, length=args.length), rows)
     for _ in range(2):        # the compile, then the step that grows the tuned heap to its peak
         state, metrics = step(state, batch)

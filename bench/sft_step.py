@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-from bench.common import write_result
+from bench.common import sft_train_step, write_result
 from jaxopd import cli
 
 
@@ -72,9 +72,7 @@ def main(argv=None):
     from jaxopd.methods.sft_data import SFTDataset
     from jaxopd.models.qwen3 import Qwen3, Qwen3Config
     from jaxopd.train.buffer import collate_samples
-    from jaxopd.train.mesh import RolePlan, build_meshes
-    from jaxopd.train.step import (LossConfig, OptimizerConfig, batch_shardings, init_train_state, make_optimizer,
-                                   make_train_step, place_batch, train_state_shardings)
+    from jaxopd.train.step import LossConfig, place_batch
 
     config, samples = corpus(args)
     arms = {"plain": SFTDataset(samples, args.batch_size, seed=0),
@@ -90,13 +88,7 @@ def main(argv=None):
     model = Qwen3(Qwen3Config.preset(args.model), rngs=nnx.Rngs(0))
     loss_config = LossConfig(kind="sft", temperature=1.0, max_supervised_tokens=args.max_supervised_tokens,
                              context_lm_weight=1.0, context_vocab=corpus_vocabulary(samples))
-    meshes = build_meshes(RolePlan.for_device_count(len(jax.devices())))
-    graphdef, params = nnx.split(model, nnx.Param)
-    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-4))
-    shardings = train_state_shardings(params, optimizer, meshes.trainer)
-    rows = batch_shardings(meshes.trainer)
-    train_step = make_train_step(graphdef, optimizer, loss_config, shardings, rows)
-    state = init_train_state(params, optimizer, shardings)
+    train_step, state, rows = sft_train_step(model, loss_config)
 
     # the padded batches of the timed steps, and one compile per batch length either arm uses
     timed = {name: [collate(b) for b in arm[:steps]] for name, arm in batches.items()}
