@@ -253,16 +253,20 @@ _NOT_IDENTITY = ("out", "progress", "command", "slots", "num_pages")   # setting
 
 
 def evaluation_identity(options: EvalOptions, source: BenchmarkSource) -> dict[str, Any]:
-    """What an evaluation's episodes depend on: the options but where the results go and how many run at once, and
-    the games' folder."""
+    """What an evaluation's episodes depend on: the options but where the results go and how many run at once, the
+    games' folder, and the student's weight files (name, size, modification time: a model exported again into the
+    same folder is another model)."""
     values = {k: v for k, v in dataclasses.asdict(options).items() if k not in _NOT_IDENTITY}
     values = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
-    return {**values, "games_root": str(source.root) if source.root else None}
+    weights = sorted(Path(options.student).glob("*.safetensors")) if options.student else []
+    return {**values, "games_root": str(source.root) if source.root else None,
+            "student_files": [[w.name, w.stat().st_size, w.stat().st_mtime_ns] for w in weights]}
 
 
 def read_partial(out: Path, identity: Mapping[str, Any]) -> dict[tuple[int, str], EpisodeRecord]:
     """The episodes a killed evaluation of ``identity`` left in ``out``; ``ValueError`` when they are another
-    evaluation's. A torn last line (killed mid-write) is skipped."""
+    evaluation's. A torn last line (killed mid-write) is skipped, and so are episodes that ended in an error (the
+    kill may have caused it): they are played again."""
     from jaxopd.methods.metrics_log import read_jsonl
 
     lines = read_jsonl(out / PARTIAL_FILE)
@@ -272,7 +276,7 @@ def read_partial(out: Path, identity: Mapping[str, Any]) -> dict[tuple[int, str]
         raise ValueError(f"{out / PARTIAL_FILE} holds the episodes of another evaluation "
                          f"({json.dumps(lines[0].get('identity'), sort_keys=True)}); remove it or give another --out")
     records = [EpisodeRecord.from_dict(line["record"]) for line in lines[1:]]
-    return {(r.seed, r.task_id): r for r in records}
+    return {(r.seed, r.task_id): r for r in records if not r.failed_with_error}
 
 
 class PartialWriter:

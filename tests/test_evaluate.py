@@ -263,8 +263,10 @@ def test_cli_a_killed_evaluation_resumes_with_the_episodes_it_played(tok, alfwor
     assert len(lines) == 3 and json.loads(lines[0])["identity"]["seeds"] == [42, 43, 44]
     assert [json.loads(line)["record"]["seed"] for line in lines[1:]] == [42, 43]
     assert not (out / "evaluation.json").exists()
-    with (out / cli.PARTIAL_FILE).open("a") as handle:       # the kill tore a line
-        handle.write('{"record": {"task_id": ')
+    errored = EpisodeRecord(task_id=task.task_id, task_type=task.task_type, seed=44, won=False, score=0.0, rounds=0,
+                            end_reason="error: RuntimeError: the pool was shut down", split="valid_unseen")
+    with (out / cli.PARTIAL_FILE).open("a") as handle:       # an episode the kill broke, then a torn line
+        handle.write(json.dumps({"record": errored.as_dict()}) + "\n" + '{"record": {"task_id": ')
 
     # another setting does not take those episodes
     with pytest.raises(ValueError, match="holds the episodes of another evaluation"):
@@ -281,6 +283,18 @@ def test_cli_a_killed_evaluation_resumes_with_the_episodes_it_played(tok, alfwor
     assert not (out / cli.PARTIAL_FILE).exists()
     data = json.loads((out / "evaluation.json").read_text())
     assert [episode["seed"] for episode in data["episodes"]] == [42, 43, 44]
+
+
+def test_evaluation_identity_tells_a_re_exported_student_apart(tmp_path, alfworld):
+    source = alfworld[0]
+    student = tmp_path / "student"
+    student.mkdir()
+    (student / "model.safetensors").write_bytes(b"12345678")
+    options = cli.options_from_args(cli.build_parser().parse_args(["--student", str(student), "--out", "x"]))
+    first = cli.evaluation_identity(options, source)
+    assert first["student_files"][0][:2] == ["model.safetensors", 8] and "out" not in first and "slots" not in first
+    (student / "model.safetensors").write_bytes(b"123456789")              # exported again
+    assert cli.evaluation_identity(options, source) != first
 
 
 # ------------------------------------------------------------------------------------------------- bad input
