@@ -142,15 +142,16 @@ def walkthrough_script(walkthrough):
 
 
 class FailingEngine(ScriptedEngine):
-    """A scripted engine whose ``submit`` raises for one sampling seed."""
+    """A scripted engine whose ``submit`` raises ``error()`` for one sampling seed."""
 
-    def __init__(self, tokenizer, script, fail_seed):
+    def __init__(self, tokenizer, script, fail_seed, error=lambda: RuntimeError("scripted failure")):
         super().__init__(tokenizer, script)
         self.fail_seed = fail_seed
+        self.error = error
 
     def submit(self, request):
         if request.params.seed == self.fail_seed:
-            raise RuntimeError("scripted failure")
+            raise self.error()
         return super().submit(request)
 
 
@@ -225,19 +226,6 @@ class Killed(BaseException):
     """What a kill looks like to the evaluation: not an episode's error (those are recorded), the end of the run."""
 
 
-class KilledEngine(ScriptedEngine):
-    """A scripted engine that stops the whole evaluation at one sampling seed's first request."""
-
-    def __init__(self, tokenizer, script, kill_seed):
-        super().__init__(tokenizer, script)
-        self.kill_seed = kill_seed
-
-    def submit(self, request):
-        if request.params.seed == self.kill_seed:
-            raise Killed()
-        return super().submit(request)
-
-
 def test_cli_a_killed_evaluation_resumes_with_the_episodes_it_played(tok, alfworld, tmp_path):
     source, _, task, walkthrough = alfworld
     out = tmp_path / "out"
@@ -258,7 +246,7 @@ def test_cli_a_killed_evaluation_resumes_with_the_episodes_it_played(tok, alfwor
 
     # one slot plays the seeds in order: 42 and 43 finish, then the run dies at seed 44's first request
     with pytest.raises(Killed):
-        run(KilledEngine, options(), kill_seed=request_seed(44, task.task_id, 1, "full"))
+        run(FailingEngine, options(), fail_seed=request_seed(44, task.task_id, 1, "full"), error=Killed)
     lines = (out / cli.PARTIAL_FILE).read_text().splitlines()
     assert len(lines) == 3 and json.loads(lines[0])["identity"]["seeds"] == [42, 43, 44]
     assert [json.loads(line)["record"]["seed"] for line in lines[1:]] == [42, 43]
