@@ -328,10 +328,12 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
             progress: bool) -> dict[str, Any]:
     """Supervised fine-tuning on demonstrations of the training games (``--sft-demonstrations``: walkthroughs or the
     searching expert's won episodes), evaluated like a distilled student."""
+    from jaxopd.methods.loop import check_and_save_config
     from jaxopd.methods.sft import sft_corpus, sft_steps, train_sft
     from jaxopd.sampler.engine import Engine, EngineConfig
 
     try:
+        check_and_save_config(out, config)          # before the corpus: a resumed run keeps its settings
         corpus = sft_corpus(config, source, tokenizer, progress=progress)
     except ValueError as error:
         raise UsageError(str(error)) from None
@@ -345,7 +347,6 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
     supervised = -(-max(s.num_supervised for s in samples) // 8) * 8
     print(f"SFT data: {len(corpus.tasks)} games, {json.dumps(stats.as_dict())}; {steps} steps of {config.batch_size}",
           flush=True)
-    (out / "config.json").write_text(config.to_json() + "\n")
     evaluate = None
     if not args.no_eval:
         from jaxopd.methods.loop import engine_config_for

@@ -54,6 +54,20 @@ def test_run_sft_trains_with_the_context_term_resumes_and_exports(source, tmp_pa
         for stale in (3, 4):
             handle.write(json.dumps({"kind": "train", "step": stale, "loss": -1.0}) + "\n")
         handle.write('{"kind": "train", "st')
+    # other settings do not continue that checkpoint (the grouping window is one); a field config.json predates
+    # counts as its default
+    from jaxopd.cli import UsageError
+    with pytest.raises(UsageError, match=r"different config \(sft_group_by_length differ\)"):
+        sft(source, out, 4, sft_group_by_length=3)
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["sft_group_by_length"] == 2
+    from jaxopd.methods.loop import check_and_save_config
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "config.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "sft_group_by_length"}))
+    check_and_save_config(older, build_config("sft", **{**{k: v for k, v in saved.items()
+                                                          if k not in ("method", "sft_group_by_length")},
+                                                       "eval_seeds": tuple(saved["eval_seeds"])}))
     # resumed to 4 steps: the checkpoint of step 2 continues, and the export holds the trained weights
     second = sft(source, out, 4, export=str(tmp_path / "hf"), keep_checkpoints=1, sft_group_by_length=2)
     with TrainCheckpointer(out / "checkpoints") as checkpointer:

@@ -61,6 +61,25 @@ _MAX_FAILED_IN_A_ROW = 8        # async: this many x rollout_slots failed episod
 _RESUMABLE_CHANGES = {"updates", "eval_every", "eval_tasks", "eval_seeds", "checkpoint_every", "keep_checkpoints"}
 
 
+def check_and_save_config(out_dir: str | os.PathLike, config: RunConfig) -> None:
+    """Writes ``config`` as ``out_dir/config.json``; ``ValueError`` naming the settings that differ when the folder
+    holds a run of another config (all but ``_RESUMABLE_CHANGES``; a field the saved file predates counts as its
+    default), so a resumed run (distillation or SFT) never continues a checkpoint with other settings."""
+    path = Path(out_dir) / CONFIG_FILE
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        mine = config.to_dict()
+        defaults = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+                    for f in dataclasses.fields(RunConfig) if f.default is not dataclasses.MISSING}
+        changed = sorted(k for k in set(saved) | set(mine)
+                         if saved.get(k, defaults.get(k)) != mine.get(k) and k not in _RESUMABLE_CHANGES)
+        if changed:
+            raise ValueError(f"{out_dir} holds a run with a different config ({', '.join(changed)} differ); "
+                             "use another --out or the same settings")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config.to_json() + "\n")
+
+
 def engine_config_for(config: RunConfig, method: Method, *, scoring: bool = False) -> EngineConfig:
     """An engine that holds every concurrent request of the run at its longest without preemption."""
     longest = config.max_prompt_tokens + max(config.total_tokens, config.fast_action_tokens) + 8
@@ -245,17 +264,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
     def _check_config(self) -> None:
-        path = self.out_dir / CONFIG_FILE
-        if path.is_file():
-            saved = json.loads(path.read_text())
-            mine = self.config.to_dict()
-            changed = sorted(k for k in set(saved) | set(mine)
-                             if saved.get(k) != mine.get(k) and k not in _RESUMABLE_CHANGES)
-            if changed:
-                raise ValueError(f"{self.out_dir} holds a run with a different config ({', '.join(changed)} differ); "
-                                 "use another --out or the same settings")
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.config.to_json() + "\n")
+        check_and_save_config(self.out_dir, self.config)
 
     def _training_tasks(self) -> list[Task]:
         if self._tasks_override is not None:
