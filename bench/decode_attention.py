@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxopd import cli
+from jaxopd.machine import machine_info
 from kernels.paged_attention_reference import HeadsFirstReferenceBackend
 from kernels.pallas_gpu import PallasGpuBackend
 from kernels.pallas_tpu import PallasTpuBackend
@@ -124,6 +125,7 @@ def main(argv=None):
               f"{r['ratio_to_roofline']:.2f} | {diff} |")
     result = dict(command=" ".join(["python bench/decode_attention.py", *argv]), jax=jax.__version__,
                   platform=platform_name, device=str(jax.devices()[0].device_kind), host=platform.node(),
+                  machine=machine_info(),
                   shape=dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                              page_size=args.page_size, dtype="bfloat16"), rows=rows)
     if args.out:

@@ -20,8 +20,6 @@ thread blocks on them, so the engine thread is never held up by the measurement)
 from __future__ import annotations
 
 import json
-import os
-import platform
 import queue
 import statistics
 import sys
@@ -32,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxopd import cli
+from jaxopd.machine import machine_info
 
 BATCHES = (1, 8, 32, 64, 128, 256)
 
@@ -181,7 +180,6 @@ def check_args(args) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_args(args)
-    import jax
 
     from jaxopd.sampler import Engine, EngineConfig
     from jaxopd.sampler import executor as executor_module
@@ -219,8 +217,7 @@ def main(argv=None) -> int:
         print(f"| {r['batch']} | {r['host_ms']:.3f} | {r['device_ms']:.3f} | {r['wall_ms']:.3f} | "
               f"{100 * r['idle_share']:.1f}% | {r['tokens_per_s']:.0f} |")
     result = {"label": args.label, "command": "python bench/engine_overhead.py " + " ".join(sys.argv[1:]),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "backend": jax.default_backend(),
-                          "devices": [str(d) for d in jax.devices()], "jax": jax.__version__},
+              "machine": machine_info(),
               "model": args.model, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
               "repeats": args.repeats, "compile_s": compile_s, "recompiles_after_warmup": recompiled, "rows": rows}
     out = Path(args.out)

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 
 from bench.common import write_result  # noqa: E402
 from jaxopd import cli  # noqa: E402
+from jaxopd.machine import machine_info  # noqa: E402
 
 from envs.alfworld import AlfWorldEnv  # noqa: E402
 from envs.pool import EnvPool  # noqa: E402
@@ -256,7 +257,7 @@ def main(argv=None):
         "rollout_gain": {"thread_1_s": thread_1["rollout_s"], "best_process_s": best["rollout_s"],
                          "best_process_workers": best["workers"], "speedup": thread_1["rollout_s"] / best["rollout_s"]},
         "cpus": os.cpu_count(), "load_average_start": load_start, "load_average_end": os.getloadavg(),
-        "machine": platform.platform(), "python": platform.python_version(),
+        "machine": machine_info(devices=False), "python": platform.python_version(),
         "command": " ".join(["python", "bench/env_pool.py"] + (sys.argv[1:] if argv is None else list(argv))),
     }
     write_result(result, markdown(result), args.out)

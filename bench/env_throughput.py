@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import platform
 import statistics
 import sys
 import threading
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 
 from bench.common import write_result  # noqa: E402
 from jaxopd import cli  # noqa: E402
+from jaxopd.machine import machine_info  # noqa: E402
 
 PAPER = {"vanilla_steps_per_s": 3.65, "actfirst_steps_per_s": 5.68, "ratio": 1.56,
          "setup": "Qwen3-1.7B on ALFWorld, 8 A100s, 16 tasks per rollout batch, four rollout engines with four "
@@ -149,13 +149,6 @@ def thinking_budget(full_tokens: int):
     first = max(full_tokens // 2, full_tokens - 32)     # 128: 96 / 128 / <= 32 (the training 384 / 512 / 128, scaled)
     return ThinkingBudget(first_stage_tokens=first, total_tokens=full_tokens,
                           second_stage_max_tokens=max(1, full_tokens - first))
-
-
-def machine_info() -> dict[str, Any]:
-    import jax
-    return {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
-            "num_devices": len(jax.devices()), "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "jax": jax.__version__}
 
 
 class TimedPool:

@@ -20,6 +20,7 @@ import time
 from typing import Sequence
 
 from jaxopd.cli import Parser, UsageError, check_out_file, command_line, run_main
+from jaxopd.machine import machine_info
 
 SETTINGS = {"glibc defaults": "0", "tune_malloc": "1"}
 
@@ -130,6 +131,7 @@ def run(args, argv) -> int:
         f"{tuned['loss']:.6f}.\n")
     from bench.common import write_result
     write_result({"command": command_line("python -m bench.host_malloc", argv), "cpu_count": os.cpu_count(),
+                  "machine": machine_info(devices=False),
                   "summary": summary, "runs": runs, "speedup": base["step_s"] / tuned["step_s"]}, table, out)
     return 0
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import platform
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ import numpy as np
 
 from bench.common import write_result
 from jaxopd import cli
+from jaxopd.machine import machine_info
 
 
 def parse_args(argv=None):
@@ -137,7 +137,7 @@ def main(argv=None):
               "requests_with_same_tokens": same,
               "max_abs_logprob_diff": worst, "args": vars(args), "backend": engines["mixed"].config.backend_name,
               "platform": jax.default_backend(), "devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
-              "machine": platform.platform(), "cpus": os.cpu_count(),
+              "machine": machine_info(), "cpus": os.cpu_count(),
               "command": " ".join(["python -m bench.mixed_steps"] + sys.argv[1:])}
     lines = [f"Mixed vs separate steps: `{args.model}` (random weights), backend `{result['backend']}`, "
              f"{args.requests} requests of {args.prompt_len} prompt tokens and {args.new_tokens // 4}-"

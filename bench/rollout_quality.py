@@ -35,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 
 from bench.common import write_result  # noqa: E402
 from jaxopd import cli  # noqa: E402
+from jaxopd.machine import machine_info  # noqa: E402
 
 from bench.env_throughput import (  # noqa: E402
     alfworld_tasks,
     build_model,
     check_args as check_common_args,
     engine_config,
-    machine_info,
     thinking_budget,
     warm_env_pool,
 )

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ if __package__ in (None, ""):   # run as a script (python bench/NAME.py): make t
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jaxopd import cli  # noqa: E402
+from jaxopd.machine import machine_info  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -225,7 +225,7 @@ def write_results(args, rows, cfg, model, weight_bytes, torch, warmup_s, compile
            "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model)))),
            "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
            "torch": getattr(torch, "__version__", None), "torch_threads": args.threads,
-           "machine": platform.platform(), "cpus": os.cpu_count(), "bandwidth": args.bandwidth,
+           "machine": machine_info(), "cpus": os.cpu_count(), "bandwidth": args.bandwidth,
            "engine_warmup_s": warmup_s, "compiled_variants": compiled, "engine_stats": stats,
            "command": " ".join([sys.executable.split("/")[-1]] + sys.argv)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -15,14 +15,13 @@ the padded tokens per batch, the share of real tokens and the compiled shapes.
 """
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import sys
 import time
 
 from bench.common import sft_train_step, write_result
 from jaxopd import cli
+from jaxopd.machine import machine_info
 
 
 def parse_args(argv=None):
@@ -126,8 +125,7 @@ def main(argv=None):
               "max_supervised_tokens": args.max_supervised_tokens, "compile_s": compile_s, "arms": figures,
               "padded_tokens_whole_epoch": whole_epoch,
               "step_ratio_grouped_over_plain": grouped["median_step_s"] / plain["median_step_s"],
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-                          "devices": [str(d) for d in jax.devices()]},
+              "machine": machine_info(),
               "command": "python -m bench.sft_step " + " ".join(sys.argv[1:])}
     lines = [f"SFT step, {args.model} preset, {len(samples):,} samples ({args.thinking}), batch {args.batch_size}, "
              f"{steps} alternating steps per arm", "",

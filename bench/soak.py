@@ -39,7 +39,6 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import queue
 import random
 import re
@@ -54,6 +53,7 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 from jaxopd import cli  # noqa: E402
+from jaxopd.machine import machine_info  # noqa: E402
 
 KINDS = ("alfworld", "scienceworld")
 STEADY_FROM = 0.2                      # samples after this share of the episodes form the steady state
@@ -202,19 +202,6 @@ def process_sample() -> dict[str, Any]:
             "child_processes": len(kids), "threads_python": threading.active_count(), "threads_os": os_threads()}
 
 
-def machine_info() -> dict[str, Any]:
-    import jax
-    memory = None
-    try:
-        with open("/proc/meminfo") as f:
-            memory = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) / 1024 / 1024
-    except (OSError, StopIteration):
-        pass
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "memory_gib": memory, "jax": jax.__version__, "backend": jax.default_backend(),
-            "devices": [str(d) for d in jax.devices()]}
-
-
 # ---------------------------------------------------------------------------------------------- the runners
 @dataclasses.dataclass
 class _Outcome:
@@ -361,7 +348,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"| {s['episodes']} | {s['failed']} | {s['wall_s']:.0f} s | {s['seconds_per_episode']:.2f} |", "",
              f"Steady state: {_fmt(s.get('steady_wall_s_per_episode'), '{:.2f}')} s wall and "
              f"{_fmt(s.get('steady_cpu_s_per_episode'), '{:.2f}')} CPU-s per episode (this process and its children) "
-             f"on {result['machine']['cpus']} CPUs at a mean load average of "
+             f"on {result['machine']['cpu_count']} CPUs at a mean load average of "
              f"{_fmt(s.get('mean_load_average'), '{:.1f}')}.", "",
              f"Failures: {json.dumps(result['failures']) if result['failures'] else 'none'}; end reasons: "
              f"{json.dumps(result['end_reasons'])}.", "",

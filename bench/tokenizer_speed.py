@@ -9,7 +9,6 @@ speed is measured here, never asserted in ``tests/``.)
 """
 from __future__ import annotations
 
-import platform
 import statistics
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from typing import Sequence
 
 from bench.common import write_result
 from jaxopd.cli import Parser, UsageError, check_out_file, run_main
+from jaxopd.machine import machine_info
 from jaxopd.tokenizer import Qwen3Tokenizer, load_tokenizer, write_hf_tokenizer_files
 
 TEXT = ("<|im_start|>user\nYou are in the middle of a room. Looking quickly around you, you see a cabinet 4, "
@@ -68,7 +68,7 @@ def run(args, argv) -> int:
              "|---|---:|---:|---:|\n") + "".join(
         f"| {r['tokenizer']} | {r['tokens']} | {r['encode_ms']:.2f} | {r['decode_ms']:.2f} |\n" for r in rows)
     result = {"command": "python -m bench.tokenizer_speed " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": platform.platform(), "repeats": args.repeats, "rows": rows}
+              "machine": machine_info(devices=False), "repeats": args.repeats, "rows": rows}
     write_result(result, table, args.out)
     return 0
 

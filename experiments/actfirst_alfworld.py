@@ -16,7 +16,6 @@ import dataclasses
 import datetime
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from experiments.alfworld_contexts import (ALFWORLD_PROMPT_LIMIT, ContextSet, co
 from experiments.speedup_protocol import (DRIVER, STRATEGIES, CalibratedLatencies, PointResult, TaskContext,
                                           Workload, calibrate_latencies, full_kind, make_batches, run_paired_point)
 from jaxopd import cli
+from jaxopd.machine import machine_info
 
 SNAPSHOT_PATH = Path(__file__).resolve().parent / "data" / "alfworld_train_contexts_seed42.json"
 CONTEXT_SEED = 42                      # App. C.5: contexts sampled with seed 42
@@ -264,16 +264,6 @@ def describe_model(model, *, name: str, weights: str | None) -> dict[str, Any]:
     return {"name": name, "num_params": count_params(state), "dtype": cfg.dtype, "weights": weights,
             "random_weights": not weights, "paper_architecture": same_shape,
             "config": dataclasses.asdict(cfg)}
-
-
-def machine_info() -> dict[str, Any]:
-    import flax
-    import jax
-    devices = jax.devices()
-    return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind, "num_devices": len(devices),
-            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
-            "flax": flax.__version__}
 
 
 # --------------------------------------------------------------------------------------------- the run

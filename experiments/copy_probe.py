@@ -28,7 +28,6 @@ Writes JSON (every evaluation), a markdown table beside it and a PNG of the seco
 from __future__ import annotations
 
 import json
-import platform
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -37,6 +36,7 @@ import numpy as np
 
 from jaxopd.cli import (Parser, UsageError, check_checkpoint_folder, check_out_dir, check_out_file, command_line,
                         run_main)
+from jaxopd.machine import machine_info
 from jaxopd.methods.config import SFT_DEMONSTRATIONS, SFT_THINKING
 
 __all__ = ["copy_batch", "multi_copy_batch", "main"]
@@ -196,7 +196,7 @@ def run(args: Any) -> dict[str, Any]:
     if args.export:
         from jaxopd.models.weights import save_qwen3
         save_qwen3(scatter_rows(nnx.merge(graphdef, params), full_embedding, full_head, rows), args.export)
-    return {"command": args.command, "machine": {"platform": platform.platform(), "backend": jax.default_backend()},
+    return {"command": args.command, "machine": machine_info(),
             "settings": {k: getattr(args, k) for k in ("preset", "steps", "batch_size", "learning_rate", "length",
                                                          "filler", "vocab", "seed", "rows", "width", "init",
                                                          "export")},

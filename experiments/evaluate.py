@@ -312,7 +312,7 @@ def run_evaluation(options: EvalOptions, source: BenchmarkSource, *,
     The keyword arguments exist for tests: ``model_and_info`` replaces loading the model, ``engine_factory(model,
     engine_config, tokenizer)`` replaces ``jaxopd.sampler.Engine``, ``tokenizer`` ``load_tokenizer``.
     """
-    from experiments.actfirst_alfworld import machine_info
+    from jaxopd.machine import machine_info
     from envs.pool import EnvPool
 
     log = print if options.progress else (lambda *a, **k: None)

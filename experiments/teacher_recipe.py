@@ -20,18 +20,21 @@ so the command can be killed and rerun: it starts again at the first stage not d
 resumes from its own orbax checkpoints (``experiments.train`` resumes an ``--out`` folder that holds them, with
 the same data order); an interrupted copy warm-up or evaluation stage starts over. Each stage runs as its own
 process, its output in ``<runs>/recipe-logs/<stage>.log``; the recipe's record, ``<runs>/teacher_recipe.json``,
-holds every run of each stage: its command, wall-clock seconds, exit status and CPU model (``machine``: the last).
+holds every run of each stage: its command, wall-clock seconds, exit status, CPU model and what decides its
+numbers (the CPU's model and vector features, the numeric packages' versions; ``machine``: this machine's whole
+``jaxopd.machine.machine_info``).
 
-The numbers repeat exactly only on the same CPU model (XLA's CPU code differs between models: on the AMD EPYC of
-stop 36 the copy warm-up's phase change came between steps 1,600 and 1,800, at stop 29 between 1,800 and 2,000).
-A rebuilt teacher is the same recipe, not the same weights: evaluate it again before comparing against it.
+The numbers repeat exactly only on the same CPU model and features (XLA compiles for the host's vector
+extensions): on one machine the copy warm-up's first 200 steps gave the same loss to the last digit twice (stop
+38), while on the AMD EPYC of stop 36 its phase change came between steps 1,600 and 1,800, at stop 29 between
+1,800 and 2,000, with the same jax. A rerun that finds stages done on another machine says so. A rebuilt teacher
+is the same recipe, not the same weights: evaluate it again before comparing against it.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from jaxopd.cli import Parser, UsageError, check_out_dir, run_main
+from jaxopd.machine import machine_info, same_numerics
 
 __all__ = ["Stage", "STAGES", "checkpoint_complete", "stage_done", "run_recipe", "main"]
 
@@ -183,16 +187,19 @@ def run_in_process(argv: Sequence[str], log: Path) -> int:
         return subprocess.run(list(argv), stdout=handle, stderr=subprocess.STDOUT, check=False).returncode
 
 
-def _cpu_model() -> str:
-    """The CPU's model name (Linux), else ``platform.processor()``: XLA's CPU code differs between models, so the
-    chain's numbers repeat exactly on the same model only."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+def _numerics(machine: dict) -> dict:
+    """What of a ``machine_info`` record decides a stage's floats (``jaxopd.machine.same_numerics``)."""
+    return {key: machine.get(key) for key in ("cpu", "cpu_features", "packages")}
+
+
+def _other_machines(record: dict, machine: dict) -> list[str]:
+    """The stages whose last successful run was made on a machine whose numerics differ from ``machine``'s."""
+    others = []
+    for name, entries in record.get("stages", {}).items():
+        done = [entry for entry in entries if entry.get("exit_status") == 0]
+        if done and same_numerics(done[-1].get("machine", {}), machine) is False:
+            others.append(name)
+    return others
 
 
 def run_recipe(runs: str, *, until: str | None = None, runner: Runner = run_in_process,
@@ -203,14 +210,19 @@ def run_recipe(runs: str, *, until: str | None = None, runner: Runner = run_in_p
     root.mkdir(parents=True, exist_ok=True)
     record_path = root / RECORD
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
-    record["machine"] = {"platform": platform.platform(), "cpu": _cpu_model(), "cpus": os.cpu_count(),
-                         "python": sys.version.split()[0]}
+    record["machine"] = machine = machine_info(devices=False)
     record.setdefault("stages", {})
+    others = _other_machines(record, machine)
     last = STAGE_NAMES.index(until) if until is not None else len(STAGES) - 1
     for stage in STAGES[:last + 1]:
         if stage_done(stage, root):
             log(f"[{stage.name}] done: {', '.join(str(root / f) for f in stage.outputs)}{_success(stage, root)}")
             continue
+        if others:
+            log(f"note: {', '.join(others)} ran on another CPU or other package versions than this machine "
+                f"({machine['cpu']}, jax {machine['jax']}): the stages run here continue from their weights, so "
+                "the chain repeats neither machine's numbers exactly")
+            others = []
         argv = [sys.executable, "-m", stage.module, *stage.argv(runs)]
         logfile = root / "recipe-logs" / f"{stage.name}.log"
         log(f"[{stage.name}] running (about {stage.measured_s / 60:.0f} min on 2 cores when measured), "
@@ -220,7 +232,7 @@ def run_recipe(runs: str, *, until: str | None = None, runner: Runner = run_in_p
         entry = {"command": stage.command(runs), "started": time.strftime("%Y-%m-%d %H:%M:%S",
                                                                             time.localtime(started)),
                  "wall_s": round(time.time() - started, 1), "exit_status": status, "log": str(logfile),
-                 "cpu": record["machine"]["cpu"]}
+                 "cpu": machine["cpu"], "machine": _numerics(machine)}
         record["stages"].setdefault(stage.name, []).append(entry)
         record_path.write_text(json.dumps(record, indent=2) + "\n")
         if status != 0:

@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any, Sequence
 
 from jaxopd import cli
 from jaxopd.cli import UsageError
+from jaxopd.machine import machine_info
 from jaxopd.methods.benchmarks import BenchmarkError, GeneratedCounts, resolve_source, subset
 from jaxopd.methods.config import METHODS, PRESETS, SFT_DEMONSTRATIONS, SFT_THINKING, RunConfig, build_config
 from jaxopd.train.step import LR_SCHEDULES
@@ -275,12 +275,6 @@ def phase_logger(path: str | None):
     return on_phase
 
 
-def machine() -> dict[str, Any]:
-    import jax
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     config = config_from_args(args)
     out = check_paths(config, args)
@@ -317,7 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             save_qwen3(nnx.merge(graphdef, jax.device_get(trainer.state.params)), args.export)
             summary["export"] = args.export
     summary.update({"command": " ".join([sys.executable.split("/")[-1], "-m", "experiments.train", *sys.argv[1:]]),
-                    "config": config.to_dict(), "machine": machine(), "source": source.describe(),
+                    "config": config.to_dict(), "machine": machine_info(), "source": source.describe(),
                     "elapsed_s": time.time() - started})
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     plot_history(out)

@@ -10,6 +10,7 @@ from safetensors.numpy import save_file
 
 from experiments import teacher_recipe as recipe
 from experiments.train import build_parser as train_parser
+from jaxopd import machine
 from jaxopd.models.qwen3 import Qwen3Config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,7 +128,8 @@ def test_evaluation_success(tmp_path):
     assert recipe.evaluation_success(folder) is None
 
 
-def test_run_recipe_skips_done_stages_stops_at_failure_and_records(tmp_path):
+def test_run_recipe_skips_done_stages_stops_at_failure_and_records(tmp_path, monkeypatch):
+    monkeypatch.setattr(machine, "cpu_features", lambda: ["avx", "avx2", "fma"])   # this machine, wherever it runs
     runs = tmp_path / "runs"
     write_checkpoint(runs / "copy1-hf")                       # made by hand with the same command
     runner = FakeRunner(runs, fail_at="teacher-act")
@@ -140,12 +142,20 @@ def test_run_recipe_skips_done_stages_stops_at_failure_and_records(tmp_path):
     assert [e["exit_status"] for e in record["stages"]["teacher-act"]] == [3]
     assert record["stages"]["teacher-list"][0]["command"] == recipe.STAGES[2].command(str(runs))
     assert "copy-warmup-1" not in record["stages"]
-    assert isinstance(record["machine"]["cpu"], str) and record["machine"]["cpus"] >= 1
+    assert isinstance(record["machine"]["cpu"], str) and record["machine"]["cpu_count"] >= 1
     assert record["stages"]["teacher-list"][0]["cpu"] == record["machine"]["cpu"]
+    assert record["stages"]["teacher-list"][0]["machine"]["packages"]["jax"] == record["machine"]["jax"]
+    assert not any(line.startswith("note:") for line in lines)
+    # a stage done on a CPU with other vector features: the rerun says the chain will not repeat its numbers
+    entry = record["stages"]["teacher-list"][0]
+    assert entry["machine"]["cpu_features"] == ["avx", "avx2", "fma"]
+    entry["machine"] = {**entry["machine"], "cpu_features": ["avx", "avx2", "avx512f", "fma"]}
+    (runs / recipe.RECORD).write_text(json.dumps(record))
     # rerun: continues at the failed stage, up to --until
     runner = FakeRunner(runs)
     assert recipe.run_recipe(str(runs), until="student-tool40", runner=runner, log=lines.append) == 0
     assert runner.ran == ["teacher-act", "student-tool40"]
+    assert any(line.startswith("note: teacher-list ran on another CPU") for line in lines)
     record = json.loads((runs / recipe.RECORD).read_text())
     assert [e["exit_status"] for e in record["stages"]["teacher-act"]] == [3, 0]
     runner = FakeRunner(runs)
