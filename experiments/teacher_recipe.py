@@ -28,7 +28,9 @@ The numbers repeat exactly only on the same CPU model and features (XLA compiles
 extensions): on one machine the copy warm-up's first 200 steps gave the same loss to the last digit twice (stop
 38), while on the AMD EPYC of stop 36 its phase change came between steps 1,600 and 1,800, at stop 29 between
 1,800 and 2,000, with the same jax. A rerun that finds stages done on another machine says so. A rebuilt teacher
-is the same recipe, not the same weights: evaluate it again before comparing against it.
+is the same recipe, not the same weights, and not the same player: rebuilt on the AVX-512 EPYC of stops 36-38,
+every stage saw the documented batches token for token and the teacher won 11.8 % of the 48 games' episodes, not
+40.3 % (results/train/README.md, stop 38). Evaluate it again before comparing against it.
 """
 from __future__ import annotations
 
