@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from jaxopd.cli import Parser, UsageError, check_out_dir, run_main
-from jaxopd.machine import machine_info, same_numerics
+from jaxopd.machine import machine_info, numerics, same_numerics
 
 __all__ = ["Stage", "STAGES", "checkpoint_complete", "stage_done", "run_recipe", "main"]
 
@@ -189,11 +189,6 @@ def run_in_process(argv: Sequence[str], log: Path) -> int:
         return subprocess.run(list(argv), stdout=handle, stderr=subprocess.STDOUT, check=False).returncode
 
 
-def _numerics(machine: dict) -> dict:
-    """What of a ``machine_info`` record decides a stage's floats (``jaxopd.machine.same_numerics``)."""
-    return {key: machine.get(key) for key in ("cpu", "cpu_features", "packages")}
-
-
 def _other_machines(record: dict, machine: dict) -> list[str]:
     """The stages whose last successful run was made on a machine whose numerics differ from ``machine``'s."""
     others = []
@@ -234,7 +229,7 @@ def run_recipe(runs: str, *, until: str | None = None, runner: Runner = run_in_p
         entry = {"command": stage.command(runs), "started": time.strftime("%Y-%m-%d %H:%M:%S",
                                                                             time.localtime(started)),
                  "wall_s": round(time.time() - started, 1), "exit_status": status, "log": str(logfile),
-                 "cpu": machine["cpu"], "machine": _numerics(machine)}
+                 "cpu": machine["cpu"], "machine": numerics(machine)}
         record["stages"].setdefault(stage.name, []).append(entry)
         record_path.write_text(json.dumps(record, indent=2) + "\n")
         if status != 0:

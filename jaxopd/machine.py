@@ -94,11 +94,21 @@ def machine_info(*, devices: bool = True) -> dict[str, Any]:
     return info
 
 
+NUMERIC_KEYS = ("cpu", "cpu_features", "packages")
+"""The fields of a ``machine_info`` record that decide a CPU program's floats."""
+
+
+def numerics(info: dict[str, Any]) -> dict[str, Any]:
+    """The ``NUMERIC_KEYS`` of a ``machine_info`` record: what a result keeps to be compared by
+    :func:`same_numerics` later."""
+    return {key: info.get(key) for key in NUMERIC_KEYS}
+
+
 def same_numerics(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
-    """Whether two ``machine_info`` records should give the same floats for the same jitted program: the same CPU
-    model, features and numeric packages (and backend, where both name one). None where either record lacks the
-    CPU's features (made before they were recorded)."""
+    """Whether two ``machine_info`` records (or their :func:`numerics`) should give the same floats for the same
+    jitted program: the same ``NUMERIC_KEYS`` (and backend, where both name one). None where either record lacks
+    the CPU's features (made before they were recorded)."""
     if not a.get("cpu_features") or not b.get("cpu_features"):
         return None
-    keys = ["cpu", "cpu_features", "packages"] + (["backend"] if "backend" in a and "backend" in b else [])
+    keys = NUMERIC_KEYS + (("backend",) if "backend" in a and "backend" in b else ())
     return all(a.get(key) == b.get(key) for key in keys)

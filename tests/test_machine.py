@@ -46,3 +46,5 @@ def test_same_numerics_compares_cpu_features_and_packages():
     assert machine.same_numerics(a, {**a, "platform": "another kernel build"}) is True
     assert machine.same_numerics({**a, "backend": "cpu"}, {**a, "backend": "gpu"}) is False
     assert machine.same_numerics(a, {"cpu": "AMD EPYC"}) is None                         # an older record
+    full = {**a, "platform": "x", "cpu_count": 2, "backend": "cpu"}
+    assert machine.numerics(full) == a and machine.same_numerics(machine.numerics(full), full) is True
