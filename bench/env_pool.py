@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import platform
 import statistics
 import sys
 import time
@@ -198,7 +197,8 @@ def markdown(result: dict) -> str:
     base = next(r for r in rows if r["backend"] == "thread" and r["workers"] == 1)["steps_per_s"]
     lines = [f"ALFWorld through EnvPool, {result['episodes']} concurrent episodes of scripted walkthrough actions "
              f"({result['steps_per_rollout']} steps + {result['episodes']} resets per rollout), "
-             f"{result['cpus']} CPUs (1-min load average {result['load_average_start'][0]:.1f} at the start, "
+             f"{result['machine']['cpu_count']} CPUs (1-min load average {result['load_average_start'][0]:.1f} "
+             f"at the start, "
              f"{result['load_average_end'][0]:.1f} at the end); median of {result['repeats']} timed rollouts after a "
              f"warm one.",
              "", "| backend | workers | steps/s | rollout s | vs 1 thread | mean step ms (loaded) "
@@ -256,8 +256,8 @@ def main(argv=None):
         "repeats": args.repeats, "start_method": args.start_method, "rows": rows, "latency": latency,
         "rollout_gain": {"thread_1_s": thread_1["rollout_s"], "best_process_s": best["rollout_s"],
                          "best_process_workers": best["workers"], "speedup": thread_1["rollout_s"] / best["rollout_s"]},
-        "cpus": os.cpu_count(), "load_average_start": load_start, "load_average_end": os.getloadavg(),
-        "machine": machine_info(devices=False), "python": platform.python_version(),
+        "load_average_start": load_start, "load_average_end": os.getloadavg(),
+        "machine": machine_info(devices=False),
         "command": " ".join(["python", "bench/env_pool.py"] + (sys.argv[1:] if argv is None else list(argv))),
     }
     write_result(result, markdown(result), args.out)

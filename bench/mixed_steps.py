@@ -17,7 +17,6 @@ token now and then and the rest of the request diverges, which says nothing abou
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import sys
 import time
@@ -136,8 +135,7 @@ def main(argv=None):
     result = {"summary": summary, "runs": runs, "speedup": ratio, "same_tokens": same_tokens,
               "requests_with_same_tokens": same,
               "max_abs_logprob_diff": worst, "args": vars(args), "backend": engines["mixed"].config.backend_name,
-              "platform": jax.default_backend(), "devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
-              "machine": machine_info(), "cpus": os.cpu_count(),
+              "machine": machine_info(),
               "command": " ".join(["python -m bench.mixed_steps"] + sys.argv[1:])}
     lines = [f"Mixed vs separate steps: `{args.model}` (random weights), backend `{result['backend']}`, "
              f"{args.requests} requests of {args.prompt_len} prompt tokens and {args.new_tokens // 4}-"
