@@ -40,7 +40,7 @@ FLAG_FIELDS = ("benchmark", "games", "generated_train_games", "student", "teache
                "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "sft_demonstrations",
                "sft_context_weight", "sft_thinking", "sft_renamed_copies", "sft_take_copies", "sft_arrival_copies",
                "sft_change_copies", "sft_refused_copies", "sft_missing_copies", "lr_schedule",
-               "sft_group_by_length", "max_supervised_tokens")
+               "sft_group_by_length", "sft_action_weight", "max_supervised_tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SFT: batches of samples of similar length (less padding, faster steps): each window of W "
                         "batches of the epoch's shuffled order is sorted by length, cut, and its batches shuffled; "
                         "default 0 (off)")
+    p.add_argument("--sft-action-weight", type=float, default=None, metavar="W",
+                   help="SFT: weight of each demonstration's action tag (and end-of-turn token) in the loss, the "
+                        "thinking's tokens weighing 1 (a weighted token mean); default 1")
     p.add_argument("--export-at", nargs=2, action="append", default=None, metavar=("STEP", "DIR"),
                    help="SFT: also write the model of step STEP as a Hugging Face folder DIR when the run passes it "
                         "(a weaker student from the teacher's own run; repeatable)")

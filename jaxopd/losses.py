@@ -129,6 +129,9 @@ def aggregate_token_loss(token_loss: chex.Array, mask: chex.Array, aggregation: 
       over responses (ActFirst-OPD App. B.4).
     - ``seq-mean-token-sum``: each response's sum, then the mean over responses.
 
+    ``mask`` may hold non-negative weights instead of 0/1 (``sft_loss``'s ``token_weight``): each mode is then the
+    same reduction with weighted sums and weight totals in place of token counts (token-mean: sum(w·l) / sum(w)).
+
     A row with no supervised token is padding, not a response: it adds 0 and is not counted among the
     responses, so padding a batch to a fixed shape leaves the loss unchanged (verl excludes fully masked
     sequences the same way). An all-empty batch gives 0.
@@ -141,7 +144,8 @@ def aggregate_token_loss(token_loss: chex.Array, mask: chex.Array, aggregation: 
     mask = _as_float(mask)
     token_loss = jnp.where(mask > 0, token_loss, 0.0) * mask
     if aggregation == "token-mean":
-        return jnp.sum(token_loss) / jnp.maximum(jnp.sum(mask), 1.0)
+        total = jnp.sum(mask)
+        return jnp.where(total > 0, jnp.sum(token_loss) / jnp.where(total > 0, total, 1.0), 0.0)
     tokens_per_response = jnp.sum(mask, axis=-1)
     response_loss = jnp.sum(token_loss, axis=-1)
     if aggregation == "seq-mean-token-mean":
@@ -470,7 +474,8 @@ def actionopd_loss(logp: chex.Array, behavior_logp: chex.Array, response_advanta
 
 def sft_loss(logp: chex.Array, mask: chex.Array, *, aggregation: str = "token-mean",
              context_logp: chex.Array | None = None, context_mask: chex.Array | None = None,
-             context_weight: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+             context_weight: float = 0.0, token_weight: chex.Array | None = None
+             ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Negative log-likelihood of the supervised (demonstration response) tokens, plus an optional language-model
     term on the context (prompt) tokens.
 
@@ -478,6 +483,11 @@ def sft_loss(logp: chex.Array, mask: chex.Array, *, aggregation: str = "token-me
     (``aggregate_token_loss``; the default token-mean is the cross-entropy per supervised token). Its
     gradient w.r.t. the logits of a supervised position is (softmax - onehot(y_k)) / N_tok under
     token-mean (at temperature 1).
+
+    ``token_weight`` (``[B, L]``, >= 0) weights the supervised tokens: the response loss becomes the weighted
+    reduction of ``aggregate_token_loss`` with ``mask * token_weight`` (token-mean: sum_k w_k·(-logp_k) / sum_k w_k),
+    e.g. the action tokens of a demonstration up-weighted against its thinking (``RunConfig.sft_action_weight``).
+    All-ones weights give the unweighted loss exactly; the metrics stay unweighted.
 
     With ``context_weight`` w > 0 the loss is ``response_loss + w * mean_{context_mask}(-context_logp)``: the
     token-mean negative log-likelihood of the prompt tokens (the caller's ``context_logp``, e.g. under a
@@ -491,6 +501,7 @@ def sft_loss(logp: chex.Array, mask: chex.Array, *, aggregation: str = "token-me
       context_logp / context_mask: ``[B, L]`` log-probs of the context tokens and 1 where they count (both
         needed when ``context_weight`` > 0).
       context_weight: w >= 0.
+      token_weight: optional ``[B, L]`` non-negative weights of the supervised tokens (None: all 1).
 
     Returns:
       ``(loss, metrics)``; metrics are token means over supervised tokens: ``nll`` (mean -logp of the response,
@@ -505,8 +516,12 @@ def sft_loss(logp: chex.Array, mask: chex.Array, *, aggregation: str = "token-me
     if not context_weight >= 0:
         raise ValueError(f"{where}: context_weight must be >= 0, got {context_weight!r}")
     logp = _as_float(logp)
-    loss = aggregate_token_loss(-logp, mask, aggregation)
     mask = _as_float(mask)
+    weighted = mask
+    if token_weight is not None:
+        _check_token_inputs(where, [token_weight], mask)
+        weighted = mask * _as_float(token_weight)
+    loss = aggregate_token_loss(-logp, weighted, aggregation)
     nll = _masked_mean(_sg(-logp), mask)
     metrics = {
         "nll": nll,

@@ -57,6 +57,31 @@ def test_sft_loss_hand_computed(jit):
     np.testing.assert_allclose(values["seq-mean-token-sum"], (1.0 + 1.0) / 2, rtol=1e-6)
 
 
+def test_sft_loss_token_weights_hand_computed():
+    # supervised -logp: row 0 {1.0, 2.0}, row 1 {0.25, 0.75}; weights on them 3, 1 and 2, 0.5 (the others unread)
+    weight = np.array([[7.0, 3.0, 1.0, 5.0],
+                       [9.0, 2.0, 4.0, 0.5]], np.float32)
+    expected = {"token-mean": (3 * 1.0 + 1 * 2.0 + 2 * 0.25 + 0.5 * 0.75) / (3 + 1 + 2 + 0.5),
+                "seq-mean-token-mean": ((3 * 1.0 + 2.0) / (4 + 1e-8) + (2 * 0.25 + 0.5 * 0.75) / (2.5 + 1e-8)) / 2,
+                "seq-mean-token-sum": ((3 * 1.0 + 2.0) + (2 * 0.25 + 0.5 * 0.75)) / 2}
+    for aggregation, value in expected.items():
+        loss, metrics = jax.jit(losses.sft_loss, static_argnames="aggregation")(
+            jnp.asarray(LOGP), jnp.asarray(MASK), aggregation=aggregation, token_weight=jnp.asarray(weight))
+        np.testing.assert_allclose(float(loss), value, rtol=1e-6)
+        np.testing.assert_allclose(float(metrics["nll"]), 1.0, rtol=1e-6)       # the metrics stay unweighted
+        assert float(metrics["supervised_tokens"]) == 4.0
+        ones = losses.sft_loss(LOGP, MASK, aggregation=aggregation, token_weight=np.ones_like(weight))[0]
+        assert float(ones) == float(losses.sft_loss(LOGP, MASK, aggregation=aggregation)[0])
+    # the gradient w.r.t. logp is -w_k / sum(w) on supervised tokens under token-mean
+    grad = jax.grad(lambda lp: losses.sft_loss(lp, MASK, token_weight=weight)[0])(jnp.asarray(LOGP))
+    np.testing.assert_allclose(np.asarray(grad), -np.where(MASK, weight, 0.0) / 6.5, rtol=1e-6)
+    # weights summing below 1 are still a weighted mean (no clamp of the denominator at 1)
+    small = np.full_like(weight, 0.1)
+    np.testing.assert_allclose(float(losses.sft_loss(LOGP, MASK, token_weight=small)[0]), 1.0, rtol=1e-6)
+    with pytest.raises(ValueError, match="sft_loss"):
+        losses.sft_loss(LOGP, MASK, token_weight=weight[:, :3])
+
+
 def test_sft_loss_padding_rows_empty_batch_and_bad_inputs():
     padded_logp = np.concatenate([LOGP, np.full((2, 4), -5.0, np.float32)])
     padded_mask = np.concatenate([MASK, np.zeros((2, 4), bool)])
@@ -151,6 +176,25 @@ def test_loss_from_log_probs_sft_ignores_behaviour_and_teacher_fields(micro):
     a = loss_from_log_probs(logp, batch, LossConfig(kind="sft"))[0]
     b = loss_from_log_probs(logp, noisy, LossConfig(kind="sft"))[0]
     assert float(a) == float(b) == pytest.approx(float(-jnp.sum(logp * batch.loss_mask) / batch.loss_mask.sum()))
+
+
+def test_batch_loss_sft_weights_the_tokens_the_samples_weigh(micro):
+    weights = [np.where(s.loss_mask, 1.0 + np.arange(len(s)) % 3, 0.0).astype(np.float32) for s in micro["samples"]]
+    samples = [dataclasses.replace(s, loss_weight=w) for s, w in zip(micro["samples"], weights)]
+    batch = collate_samples(samples, batch_size=6, length_multiple=8)
+    np.testing.assert_array_equal(batch.loss_weight[:4].sum(1), [w.sum() for w in weights])
+    assert not batch.loss_weight[4:].any()
+    expected = (sum(float(-(lp * w).sum()) for lp, w in zip(micro["reference"], weights))
+                / sum(float(w.sum()) for w in weights))
+    for config in (LossConfig(kind="sft"), LossConfig(kind="sft", max_supervised_tokens=8),
+                   LossConfig(kind="sft", context_lm_weight=1e-9, context_vocab=tuple(range(TINY.vocab_size)))):
+        loss, metrics = jax.jit(functools.partial(batch_loss, graphdef=micro["graphdef"], config=config))(
+            micro["params"], batch=batch)
+        np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+        unweighted = np.concatenate([-lp[s.loss_mask] for s, lp in zip(micro["samples"], micro["reference"])])
+        np.testing.assert_allclose(float(metrics["nll"]), unweighted.mean(), rtol=1e-5)
+    # collate without weights gives 1 on the supervised tokens: the unweighted loss
+    np.testing.assert_array_equal(micro["batch"].loss_weight, micro["batch"].loss_mask.astype(np.float32))
 
 
 def train_steps(micro, config, steps=4):
@@ -869,3 +913,26 @@ def test_walkthrough_samples_with_state_thinking(alfworld, tok):
     assert stats.response_tokens > sum(s.num_supervised for s in plain)
     with pytest.raises(ValueError, match="unknown SFT thinking"):
         walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="chain")
+
+
+def test_walkthrough_samples_weigh_the_action_tag(alfworld, tok):
+    from jaxopd.methods.sft_data import action_token_start
+    _, _, reference = alfworld
+    plain, _ = walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="state")
+    weighted, _ = walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="state", action_weight=3.0)
+    assert len(plain) == len(weighted) > 1
+    for a, b, action in zip(plain, weighted, reference.actions):
+        assert a.loss_weight is None
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+        assert set(np.unique(b.loss_weight[b.loss_mask]).tolist()) == {1.0, 3.0}
+        assert not b.loss_weight[~b.loss_mask].any()
+        assert tok.decode(b.tokens[b.loss_weight == 3.0]) == f"<action>{action}</action>{IM_END}"
+        assert tok.decode(b.tokens[b.loss_weight == 1.0]).startswith("<think>\n")
+        assert tok.decode(b.tokens[b.loss_weight == 1.0]).endswith("</think>\n\n")
+    with pytest.raises(ValueError, match="action_weight must be a finite number > 0"):
+        walkthrough_samples([reference], tok, max_prompt_tokens=2048, action_weight=0.0)
+    with pytest.raises(ValueError, match="has no <action> tag"):
+        action_token_start(tok, "<think>\n\n</think>\n\ngo to desk 1", tok.encode("go to desk 1"))
+    with pytest.raises(ValueError, match="does not split"):
+        action_token_start(tok, response_text("look"), tok.encode("<think>x") + tok.encode(response_text("look")))

@@ -135,6 +135,19 @@ def test_renamed_copies_join_the_corpus_with_their_own_names(source):
     from experiments.train import build_parser, config_from_args
     args = build_parser().parse_args(["--method", "sft", "--out", "unused", "--sft-group-by-length", "32"])
     assert config_from_args(args).sft_group_by_length == 32
+    with pytest.raises(ValueError, match="sft_action_weight weights SFT's demonstration tokens"):
+        build_config("actfirst", preset="cpu", sft_action_weight=2.0)
+    with pytest.raises(ValueError, match="sft_action_weight must be > 0"):
+        build_config("sft", preset="cpu", sft_action_weight=0.0)
+    args = build_parser().parse_args(["--method", "sft", "--out", "unused", "--sft-action-weight", "3"])
+    assert config_from_args(args).sft_action_weight == 3.0
+    weighted = sft_corpus(build_config("sft", preset="cpu", sft_thinking="state", sft_action_weight=3.0),
+                          source, tokenizer, progress=False)
+    assert len(weighted.samples) == plain.stats.samples
+    for a, b in zip(plain.samples, weighted.samples):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        assert a.loss_weight is None
+        assert tokenizer.decode(b.tokens[b.loss_weight == 3.0].tolist()).startswith("<action>")
 
 
 def _after_go_or_open(text: str) -> bool:

@@ -107,6 +107,23 @@ def test_state_round_trip_keeps_samples_ids_and_counters():
     assert empty_arrays == {} and len(SampleBuffer.from_state(empty_metadata, empty_arrays)) == 0
 
 
+def test_loss_weights_survive_the_state_round_trip_and_are_checked():
+    weighted = make_sample(1, seed=3, loss_weight=np.array([0, 0, 1, 2, 3, 4], np.float32))
+    buffer = SampleBuffer()
+    buffer.add([make_sample(1, seed=2), weighted])
+    metadata, arrays = buffer.state()
+    assert arrays["loss_weight"].shape == (6,)
+    restored = SampleBuffer.from_state(metadata, arrays).take(2, current_version=1)
+    assert restored[0].loss_weight is None
+    np.testing.assert_array_equal(restored[1].loss_weight, [0, 0, 1, 2, 3, 4])
+    batch = collate_samples(restored, length_multiple=8)
+    np.testing.assert_array_equal(batch.loss_weight, [[0, 0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 2, 3, 4, 0, 0]])
+    with pytest.raises(ValueError, match="loss_weight must be finite and >= 0"):
+        make_sample(1, loss_weight=np.array([0, 0, 1, -1, 1, 1]))
+    with pytest.raises(ValueError, match="loss_weight must have shape"):
+        make_sample(1, loss_weight=np.ones(5))
+
+
 def test_sample_validation():
     with pytest.raises(ValueError, match=r"loss_mask\[0\] must be False"):
         Sample(np.arange(4), np.ones(4, bool), np.zeros(4), 0)

@@ -136,6 +136,7 @@ class RunConfig:
     sft_missing_copies: int = 0              # ... and after a go to a missing receptacle (sft_data.missing_turn)
     lr_schedule: str = "constant"            # SFT only: "cosine" warms up over 5 % of the steps, then decays to 10 %
     sft_group_by_length: int = 0             # SFT only: batches of similar length, windows of this many (SFTDataset)
+    sft_action_weight: float = 1.0           # SFT only: loss weight of the action tag's tokens (thinking: 1)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -159,6 +160,9 @@ class RunConfig:
         if self.lr_schedule != "constant" and self.method != "sft":
             raise ValueError(f"a {self.lr_schedule} learning-rate schedule is for SFT's fixed number of steps; the "
                              "distillation methods keep the papers' constant rate")
+        if self.sft_action_weight != 1.0 and self.method != "sft":
+            raise ValueError("sft_action_weight weights SFT's demonstration tokens; a distillation method's token "
+                             "weights are its loss's")
         if self.sft_group_by_length and self.method != "sft":
             raise ValueError("sft_group_by_length orders SFT's batches; a distillation method trains on the batches "
                              "its rollouts give")
@@ -199,7 +203,7 @@ class RunConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"RunConfig.{name} must be a non-negative integer, got {value!r}")
-        for name in ("learning_rate", "max_grad_norm", "clip_eps", "dual_clip", "sft_epochs"):
+        for name in ("learning_rate", "max_grad_norm", "clip_eps", "dual_clip", "sft_epochs", "sft_action_weight"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RunConfig.{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("temperature", "eval_temperature", "teacher_temperature", "weight_decay", "match_bonus_scale",

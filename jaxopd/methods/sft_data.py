@@ -16,7 +16,8 @@ seeded per-epoch shuffle into fixed-size lists of samples that a run can resume 
 
 The samples train with ``LossConfig(kind="sft", temperature=1.0)`` (``jaxopd.losses.sft_loss``): the loss
 mask covers the response tokens and its closing end-of-turn token, never the prompt; behaviour log-probs
-are zeros (nothing was sampled) and the policy version is 0.
+are zeros (nothing was sampled) and the policy version is 0. With an action weight (``RunConfig.sft_action_weight``)
+a sample's ``loss_weight`` weighs its action tag (:func:`action_token_start` on) against its thinking.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ __all__ = ["SFT_MODE", "response_text", "state_thinking", "state_text", "plan_te
            "refused_sentence", "task_tool_refused_act_here_text", "refused_turn", "missing_receptacle",
            "missing_turn", "REWRITTEN_TURNS", "THINKING_RULES",
            "thinking_text", "WalkthroughTurn",
-           "walkthrough_turns", "WalkthroughStats", "walkthrough_samples", "SFTDataset"]
+           "walkthrough_turns", "WalkthroughStats", "action_token_start", "walkthrough_samples", "SFTDataset"]
 
 SFT_MODE = "full"
 """The generation mode whose prompts SFT trains on: the full think-then-act mode of the rollouts, whose
@@ -561,11 +562,25 @@ def _reference_list(references: Mapping[str, ReferenceTrajectory] | Iterable[Ref
     return list(references)
 
 
+def action_token_start(tokenizer, answer: str, response_ids: Sequence[int]) -> int:
+    """The index in ``response_ids`` (the ids of ``answer``, a :func:`response_text`, maybe followed by the
+    end-of-turn token) of the first token of the action tag: the ids of the text before ``<action>`` are a prefix of
+    ``response_ids`` (the tag follows the blank line after ``</think>``, a pre-tokenisation boundary).
+    ``ValueError`` when ``answer`` has no action tag or its tokenisation does not split there."""
+    at = answer.find(ACTION_START)
+    if at < 0:
+        raise ValueError(f"answer has no {ACTION_START} tag: {answer[:80]!r}")
+    head = list(tokenizer.encode(answer[:at]))
+    if list(response_ids[:len(head)]) != head:
+        raise ValueError(f"the tokenisation of {answer[:80]!r}... does not split at its {ACTION_START} tag")
+    return len(head)
+
+
 def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable[ReferenceTrajectory], tokenizer,
                         *, max_prompt_tokens: int, benchmark: str = "alfworld", thinking: str = "none",
                         keep: Callable[[WalkthroughTurn], bool] | None = None,
-                        rewrite: Callable[[WalkthroughTurn], WalkthroughTurn | None] | None = None
-                        ) -> tuple[list[Sample], WalkthroughStats]:
+                        rewrite: Callable[[WalkthroughTurn], WalkthroughTurn | None] | None = None,
+                        action_weight: float = 1.0) -> tuple[list[Sample], WalkthroughStats]:
     """Every walkthrough turn of ``references`` as an SFT sample, and the counts.
 
     A sample's ids are the full-mode prompt, rendered by ``render_prompt`` under ``max_prompt_tokens`` exactly
@@ -579,8 +594,13 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
     ``references``: a sequence of ``ReferenceTrajectory`` or a mapping of them (``load_references``); samples
     come in that order, turns in order within a reference. ``keep``: only the turns it accepts (``FOCUS_TURNS``);
     the others are not counted. ``rewrite``: each kept turn replaced by what it returns (:func:`refused_turn`), the
-    turns it returns None for left out and not counted.
+    turns it returns None for left out and not counted. ``action_weight`` w != 1: each sample's ``loss_weight`` is w on
+    the action tag and the end-of-turn token (:func:`action_token_start` on), 1 on the thinking block
+    (``RunConfig.sft_action_weight``).
     """
+    if not (isinstance(action_weight, (int, float)) and not isinstance(action_weight, bool)
+            and np.isfinite(action_weight) and action_weight > 0):
+        raise ValueError(f"action_weight must be a finite number > 0, got {action_weight!r}")
     if thinking not in SFT_THINKING:
         raise ValueError(f"unknown SFT thinking {thinking!r}; expected one of {SFT_THINKING}")
     stats = WalkthroughStats()
@@ -602,13 +622,19 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
                 stats.skipped += 1
                 continue
             thought = thinking_text(turn.inputs, thinking)
-            response = list(tokenizer.encode(response_text(turn.action, thought))) + [end_of_turn]
+            answer = response_text(turn.action, thought)
+            response = list(tokenizer.encode(answer)) + [end_of_turn]
             prompt_ids = list(prompt.token_ids)
             length = len(prompt_ids) + len(response)
             loss_mask = np.zeros(length, bool)
             loss_mask[len(prompt_ids):] = True
+            loss_weight = None
+            if action_weight != 1.0:
+                loss_weight = loss_mask.astype(np.float32)
+                loss_weight[len(prompt_ids) + action_token_start(tokenizer, answer, response):] = action_weight
             samples.append(Sample(tokens=np.asarray(prompt_ids + response, np.int32), loss_mask=loss_mask,
-                                  behavior_logp=np.zeros(length, np.float32), policy_version=0))
+                                  behavior_logp=np.zeros(length, np.float32), policy_version=0,
+                                  loss_weight=loss_weight))
             stats.samples += 1
             stats.history_truncated += prompt.history_pairs_kept < len(turn.inputs.history)
             stats.prompt_tokens += len(prompt_ids)

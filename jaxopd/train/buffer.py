@@ -35,6 +35,8 @@ class Sample:
       snapshot trained for one epoch of minibatches (ActionOPD App. A.4); once its first minibatch is taken,
       the buffer's lag rule no longer drops the rest (see ``SampleBuffer``).
     sample_id: assigned by the buffer (``-1`` before).
+    loss_weight: optional ``[L]`` float >= 0 — the weight of each supervised token in the loss (``sft``:
+      ``losses.sft_loss``'s ``token_weight``; None: every supervised token weighs 1).
     """
 
     tokens: np.ndarray
@@ -47,6 +49,7 @@ class Sample:
     retained: bool = True
     collection: int = -1
     sample_id: int = -1
+    loss_weight: np.ndarray | None = None
 
     def __post_init__(self):
         tokens = np.asarray(self.tokens)
@@ -73,6 +76,9 @@ class Sample:
         per_token("behavior_logp", np.float32)
         per_token("teacher_logp", np.float32)
         per_token("teacher_generated", bool)
+        per_token("loss_weight", np.float32)
+        if self.loss_weight is not None and not np.all(np.isfinite(self.loss_weight) & (self.loss_weight >= 0)):
+            raise ValueError("Sample.loss_weight must be finite and >= 0")
         if self.loss_mask[0]:
             raise ValueError("Sample.loss_mask[0] must be False: the first token has no context to predict it from")
         if not np.all(np.isfinite(self.behavior_logp[self.loss_mask])):
@@ -195,7 +201,8 @@ class SampleBuffer:
             "samples": [{"sample_id": s.sample_id, "policy_version": s.policy_version, "length": len(s),
                          "advantage": s.advantage, "retained": s.retained, "collection": s.collection,
                          "has_teacher_logp": s.teacher_logp is not None,
-                         "has_teacher_generated": s.teacher_generated is not None} for s in samples],
+                         "has_teacher_generated": s.teacher_generated is not None,
+                         "has_loss_weight": s.loss_weight is not None} for s in samples],
         }
         arrays: dict[str, np.ndarray] = {}
 
@@ -209,6 +216,7 @@ class SampleBuffer:
         concat("behavior_logp", np.float32)
         concat("teacher_logp", np.float32)
         concat("teacher_generated", np.bool_)
+        concat("loss_weight", np.float32)
         return metadata, arrays
 
     @classmethod
@@ -233,7 +241,8 @@ class SampleBuffer:
                 teacher_logp=pop("teacher_logp", length) if entry["has_teacher_logp"] else None,
                 teacher_generated=pop("teacher_generated", length) if entry["has_teacher_generated"] else None,
                 advantage=entry["advantage"], retained=entry["retained"],
-                collection=entry.get("collection", -1), sample_id=entry["sample_id"]))
+                collection=entry.get("collection", -1), sample_id=entry["sample_id"],
+                loss_weight=pop("loss_weight", length) if entry.get("has_loss_weight") else None))
         for name, used in offsets.items():
             if used != arrays[name].shape[0]:
                 raise ValueError(f"buffer checkpoint: array {name!r} has {arrays[name].shape[0]} entries, "
@@ -262,6 +271,8 @@ class TrainBatch:
     advantages: Any          # [B] float32 (ActionOPD)
     retained: Any            # [B] bool (ActionOPD)
     policy_version: Any      # [B] int32 (-1 on padding rows)
+    loss_weight: Any         # [B, T] float32 — weight of each supervised token (sft: sft_loss's token_weight;
+                             # a sample's loss_weight, else 1 on loss_mask), 0 off loss_mask
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -303,6 +314,7 @@ def collate_samples(samples: Sequence[Sample], *, batch_size: int | None = None,
     advantages = np.zeros((batch_size,), np.float32)
     retained = np.zeros((batch_size,), bool)
     policy_version = np.full((batch_size,), -1, np.int32)
+    loss_weight = np.zeros((batch_size, length), np.float32)
     for row, sample in enumerate(samples):
         n = len(sample)
         tokens[row, :n] = sample.tokens
@@ -316,9 +328,11 @@ def collate_samples(samples: Sequence[Sample], *, batch_size: int | None = None,
         advantages[row] = sample.advantage
         retained[row] = sample.retained
         policy_version[row] = sample.policy_version
+        loss_weight[row, :n] = sample.loss_mask if sample.loss_weight is None else np.where(
+            sample.loss_mask, sample.loss_weight, 0.0)
     positions = np.broadcast_to(np.arange(length, dtype=np.int32), (batch_size, length)).copy()
     return TrainBatch(tokens, positions, attention_mask, loss_mask, behavior_logp, teacher_logp,
-                      teacher_generated, advantages, retained, policy_version)
+                      teacher_generated, advantages, retained, policy_version, loss_weight)
 
 
 __all__ = ["Sample", "BufferStats", "SampleBuffer", "TrainBatch", "collate_samples", "padded_length"]

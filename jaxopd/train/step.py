@@ -389,7 +389,7 @@ def loss_from_log_probs(logp: jax.Array, batch: TrainBatch, config: LossConfig) 
         return losses.sti_importance_weighted_reverse_kl(logp, batch.teacher_logp, batch.teacher_generated, mask,
                                                          aggregation=aggregation)
     if config.kind == "sft":
-        return losses.sft_loss(logp, mask, aggregation=aggregation)
+        return losses.sft_loss(logp, mask, aggregation=aggregation, token_weight=batch.loss_weight)
     return losses.actionopd_loss(logp, batch.behavior_logp, batch.advantages, batch.retained, mask,
                                  clip_eps=config.clip_eps, dual_clip=config.dual_clip)
 
@@ -419,7 +419,7 @@ def _sft_with_context_loss(model: Qwen3, batch: TrainBatch, config: LossConfig) 
                                                    batch.loss_mask, config.context_vocab)
     loss, metrics = losses.sft_loss(logp, batch.loss_mask, aggregation=config.resolved_aggregation,
                                     context_logp=context_logp, context_mask=context_mask,
-                                    context_weight=config.context_lm_weight)
+                                    context_weight=config.context_lm_weight, token_weight=batch.loss_weight)
     return loss, dict(metrics)
 
 
