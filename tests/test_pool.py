@@ -490,10 +490,12 @@ def test_slots_and_counts_are_ints_not_bools(faults):
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not). A process reaped between the open and the read of its
+    ``/proc`` entry raises ProcessLookupError there (seen in CI, stop 40): it is gone too."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split()[2] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 
