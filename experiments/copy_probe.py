@@ -9,6 +9,9 @@ token, by finding the earlier occurrence and reading the next id: an induction h
 With ``--filler 0`` the copy sits at a fixed offset, so one positional head suffices: a control. ``--rows multi``
 trains on rows of ``--width`` ids instead, built of ``--length``-id segments of which about half copy an earlier span
 0 to ``--filler`` ids back: every row holds many copies, at the long distances of real prompts, for the cost of one.
+``--rows recent`` asks which earlier occurrence to copy: a key id is followed by different spans ``--decoys`` times
+far back and once within ``--filler`` ids, and the recall copies the most recent span (the choice the CPU teacher
+gets wrong between its thinking and the admissible list's ``take`` lines, results/train stop 40).
 
 Training is the SFT path's arithmetic: AdamW (weight decay 0, clip 1.0), the softmax restricted to the
 sub-vocabulary (``jaxopd.train.step.context_log_probs``). Rows of the tied embedding outside the sub-vocabulary
@@ -39,7 +42,7 @@ from jaxopd.cli import (Parser, UsageError, check_checkpoint_folder, check_out_d
 from jaxopd.machine import machine_info
 from jaxopd.methods.config import SFT_DEMONSTRATIONS, SFT_THINKING
 
-__all__ = ["copy_batch", "multi_copy_batch", "main"]
+__all__ = ["copy_batch", "multi_copy_batch", "recent_copy_batch", "main"]
 
 
 def copy_batch(rng: np.random.Generator, batch: int, length: int, filler: int, vocab: int, *,
@@ -76,6 +79,56 @@ def multi_copy_batch(rng: np.random.Generator, batch: int, width: int, length: i
                 source = start - gap - length
                 tokens[row, start:start + length] = tokens[row, source:source + length]
                 second[row, start + 1:start + length] = True
+    return tokens, np.ones((batch, width), bool), second
+
+
+def recent_copy_batch(rng: np.random.Generator, batch: int, width: int, length: int, max_gap: int, vocab: int,
+                      decoys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tokens, mask, second)``, each ``[batch, width]``: rows of ``width // length`` segments of ``length`` ids
+    (``length`` >= 2), some of them recalls. A recall segment is a key id and the ``length - 1`` ids that followed
+    the key's most recent earlier occurrence: a *source* segment (the key, then fresh ids) ending 0 to ``max_gap``
+    ids before the recall. ``decoys`` segments before the source also start with the key, each followed by fresh
+    ids whose first differs from the source's. Each segment from the ``decoys + 1``-th on becomes a recall with
+    probability 1/2 when a source and decoys are still free. A key occurs nowhere else in its row, and no id
+    outside a key's segments is a key. ``second`` is True on a recall's positions after its key (those only the
+    most recent occurrence predicts)."""
+    if length < 2:
+        raise ValueError(f"recall segments need length >= 2 (a key and its span), got {length}")
+    if decoys < 0:
+        raise ValueError(f"decoys must be >= 0, got {decoys}")
+    segments = width // length
+    most_keys = max(1, segments // (decoys + 2))
+    if vocab < most_keys + 2:
+        raise ValueError(f"a vocabulary of {vocab} ids is too small for {most_keys} keys and their spans")
+    tokens = np.zeros((batch, width), np.int32)
+    second = np.zeros((batch, width), bool)
+    for row in range(batch):
+        keys = rng.choice(vocab, most_keys, replace=False)
+        others = np.setdiff1d(np.arange(vocab), keys)
+        tokens[row] = rng.choice(others, width)
+        free = np.ones(segments, bool)
+        used = 0
+        for recall in range(decoys + 1, segments):
+            if used == most_keys or not free[recall] or rng.random() >= 0.5:
+                continue
+            lowest = max(decoys, recall - 1 - max_gap // length)
+            sources = [t for t in range(lowest, recall) if free[t] and free[:t].sum() >= decoys]
+            if not sources:
+                continue
+            source = int(rng.choice(sources))
+            fakes = rng.choice(np.flatnonzero(free[:source]), decoys, replace=False)
+            key = keys[used]
+            used += 1
+            span = rng.choice(others, length - 1)
+            for fake in fakes:
+                decoy = rng.choice(others, length - 1)
+                while decoy[0] == span[0]:
+                    decoy[0] = rng.choice(others)
+                tokens[row, fake * length:(fake + 1) * length] = [key, *decoy]
+            tokens[row, source * length:(source + 1) * length] = [key, *span]
+            tokens[row, recall * length:(recall + 1) * length] = [key, *span]
+            second[row, recall * length + 1:(recall + 1) * length] = True
+            free[[source, recall, *fakes]] = False
     return tokens, np.ones((batch, width), bool), second
 
 
@@ -172,10 +225,16 @@ def run(args: Any) -> dict[str, Any]:
     held_out_rng = np.random.default_rng(args.seed + 1)
     gaps = sorted(set(args.held_out_gaps or (args.filler, 4 * args.filler)))
     held_out = {gap: copy_batch(held_out_rng, 32, args.length, gap, args.vocab, fixed_filler=gap) for gap in gaps}
+    if args.rows == "recent":
+        held_out["recent"] = recent_copy_batch(held_out_rng, 8, args.width, args.length, args.filler, args.vocab,
+                                               args.decoys)
 
     def train_batch():
         if args.rows == "multi":
             return multi_copy_batch(rng, args.batch_size, args.width, args.length, args.filler, args.vocab)
+        if args.rows == "recent":
+            return recent_copy_batch(rng, args.batch_size, args.width, args.length, args.filler, args.vocab,
+                                     args.decoys)
         return copy_batch(rng, args.batch_size, args.length, args.filler, args.vocab)
 
     rng = np.random.default_rng(args.seed)
@@ -190,31 +249,39 @@ def run(args: Any) -> dict[str, Any]:
                       **{k: float(v) for k, v in jax.device_get(metrics).items()}}
             for gap, batch in held_out.items():
                 result = jax.device_get(evaluate(params, *batch))
-                record[f"held_out_gap{gap}_nll"] = float(result["second_nll"])
-                record[f"held_out_gap{gap}_accuracy"] = float(result["second_accuracy"])
+                name = "recent" if gap == "recent" else f"gap{gap}"
+                record[f"held_out_{name}_nll"] = float(result["second_nll"])
+                record[f"held_out_{name}_accuracy"] = float(result["second_accuracy"])
             records.append(record)
     if args.export:
         from jaxopd.models.weights import save_qwen3
         save_qwen3(scatter_rows(nnx.merge(graphdef, params), full_embedding, full_head, rows), args.export)
     return {"command": args.command, "machine": machine_info(),
             "settings": {k: getattr(args, k) for k in ("preset", "steps", "batch_size", "learning_rate", "length",
-                                                         "filler", "vocab", "seed", "rows", "width", "init",
-                                                         "export")},
+                                                         "filler", "vocab", "seed", "rows", "width", "decoys",
+                                                         "init", "export")},
             "vocabulary": "the SFT corpus's token ids" if args.vocab_ids is not None else "random ids",
             "chance_nll": float(np.log(args.vocab)), "held_out_gaps": gaps, "records": records}
 
 
 def table(result: dict[str, Any]) -> str:
     gaps = result["held_out_gaps"]
+    recent = "held_out_recent_nll" in (result["records"] or [{}])[0]
     head = ["step", "wall (s)", "train loss", "2nd copy NLL"] + [f"held-out NLL / acc, gap {g}" for g in gaps]
+    if recent:
+        head.append("held-out recall NLL / acc")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["records"]:
         cells = [str(r["step"]), f"{r['wall_s']:.0f}", f"{r['loss']:.3f}", f"{r['second_nll']:.3f}"]
         cells += [f"{r[f'held_out_gap{g}_nll']:.3f} / {r[f'held_out_gap{g}_accuracy']:.1%}" for g in gaps]
+        if recent:
+            cells.append(f"{r['held_out_recent_nll']:.3f} / {r['held_out_recent_accuracy']:.1%}")
         lines.append("| " + " | ".join(cells) + " |")
     s = result["settings"]
-    rows = (f"rows of {s.get('width')} ids, about half copies 0–{s['filler']} back" if s.get("rows") == "multi"
-            else f"filler 0–{s['filler']}")
+    rows = {"multi": f"rows of {s.get('width')} ids, about half copies 0–{s['filler']} back",
+            "recent": f"rows of {s.get('width')} ids, recalls of the most recent of {s.get('decoys')} + 1 spans "
+                      f"after one key, the right one 0–{s['filler']} back"}.get(s.get("rows"),
+                                                                               f"filler 0–{s['filler']}")
     lines.append(f"\nChance: ln {s['vocab']} = {result['chance_nll']:.3f} nats. Preset {s['preset']}, batch "
                  f"{s['batch_size']}, lr {s['learning_rate']}, copy length {s['length']}, {rows}"
                  + (f", from `{s['init']}`" if s.get("init") else "") + ".")
@@ -249,8 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=16, help="ids per copy")
     parser.add_argument("--filler", type=int, default=32, help="most random ids between the copies (0: control)")
     parser.add_argument("--vocab", type=int, default=298, help="sub-vocabulary size (default: the SFT corpus's)")
-    parser.add_argument("--rows", default="pair", choices=("pair", "multi"),
-                        help="pair: A F A rows; multi: --width ids of segments, half of them copies")
+    parser.add_argument("--rows", default="pair", choices=("pair", "multi", "recent"),
+                        help="pair: A F A rows; multi: --width ids of segments, half of them copies; recent: "
+                             "--width ids of segments, recalls of a key's most recent span among --decoys others")
+    parser.add_argument("--decoys", type=int, default=2, help="recent rows: earlier spans after the same key")
     parser.add_argument("--width", type=int, default=1024, help="ids per multi row")
     parser.add_argument("--held-out-gaps", type=int, nargs="+", default=None,
                         help="gaps of the held-out A F A rows (default: --filler and 4 x --filler)")
@@ -278,6 +347,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"--vocab must be >= 2, got {args.vocab}")
         if args.rows == "multi" and args.width < 2 * args.length:
             raise UsageError(f"--width must be >= 2 x --length ({2 * args.length}), got {args.width}")
+        if args.rows == "recent":
+            if args.length < 2:
+                raise UsageError(f"--rows recent needs --length >= 2 (a key and its span), got {args.length}")
+            if args.decoys < 0:
+                raise UsageError(f"--decoys must be >= 0, got {args.decoys}")
+            if args.width < (args.decoys + 3) * args.length:
+                raise UsageError(f"--width must hold --decoys + 3 segments ({(args.decoys + 3) * args.length} ids), "
+                                 f"got {args.width}")
         if any(gap < 0 for gap in args.held_out_gaps or ()):
             raise UsageError(f"--held-out-gaps must be >= 0, got {args.held_out_gaps}")
         if args.init is not None:

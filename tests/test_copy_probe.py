@@ -4,8 +4,9 @@ import json
 import math
 
 import numpy as np
+import pytest
 
-from experiments.copy_probe import copy_batch, main, multi_copy_batch
+from experiments.copy_probe import copy_batch, main, multi_copy_batch, recent_copy_batch
 
 
 def test_copy_batch_rows_repeat_their_first_ids_after_the_filler():
@@ -116,3 +117,53 @@ def test_export_scatters_the_trained_rows_into_the_full_model(tmp_path):
 def test_multi_rows_need_room_for_a_copy(tmp_path, capsys):
     assert main(["--rows", "multi", "--width", "10", "--length", "8", "--out", str(tmp_path / "x.json")]) == 2
     assert "--width must be >= 2 x --length (16)" in capsys.readouterr().err
+
+
+def test_recent_rows_recall_the_most_recent_span_after_their_key():
+    """Each recall is its key and the span after the key's most recent earlier occurrence, which ends within
+    max_gap ids; the key's earlier (decoy) occurrences are followed by another first id; the key occurs nowhere
+    else in its row."""
+    rng = np.random.default_rng(3)
+    length, max_gap, width, decoys, vocab = 4, 12, 64, 2, 40
+    tokens, mask, second = recent_copy_batch(rng, 300, width, length, max_gap, vocab, decoys)
+    assert tokens.shape == (300, width) and mask.all() and tokens.min() >= 0 and tokens.max() < vocab
+    recalls = 0
+    for row in range(300):
+        recall_keys = set()
+        for start in range(0, width, length):
+            flagged = second[row, start:start + length]
+            assert not flagged[0] and (flagged[1:].all() or not flagged.any())
+            if not flagged.any():
+                continue
+            recalls += 1
+            key = tokens[row, start]
+            recall_keys.add(int(key))
+            earlier = np.flatnonzero(tokens[row, :start] == key)
+            assert len(earlier) == decoys + 1, (row, start)
+            latest = earlier[-1]
+            assert latest % length == 0 and start - (latest + length) <= max_gap
+            assert np.array_equal(tokens[row, latest:latest + length], tokens[row, start:start + length])
+            assert all(tokens[row, at + 1] != tokens[row, start + 1] for at in earlier[:-1])
+        for key in recall_keys:   # the key: its decoys, its source and its recall, nothing else
+            assert (tokens[row] == key).sum() == decoys + 2
+    assert recalls > 300   # more than one recall per row on average
+    with pytest.raises(ValueError, match="length >= 2"):
+        recent_copy_batch(rng, 1, width, 1, max_gap, vocab, decoys)
+    with pytest.raises(ValueError, match="too small"):
+        recent_copy_batch(rng, 1, width, length, max_gap, 4, decoys)
+
+
+def test_short_recent_run_records_the_held_out_recall_at_chance(tmp_path, capsys):
+    out = tmp_path / "recent.json"
+    assert main(["--rows", "recent", "--width", "64", "--length", "4", "--filler", "12", "--decoys", "2", "--steps",
+                 "2", "--evaluations", "1", "--vocab", "50", "--no-progress", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    record = result["records"][0]
+    assert result["settings"]["rows"] == "recent" and result["settings"]["decoys"] == 2
+    assert abs(record["held_out_recent_nll"] - math.log(50)) < 0.5   # two steps: the recall is still at chance
+    assert "held-out recall NLL / acc" in out.with_suffix(".md").read_text()
+    for flags, message in ((["--decoys", "-1"], "--decoys must be >= 0"),
+                           (["--length", "1"], "--length >= 2"),
+                           (["--width", "16", "--length", "4"], "--width must hold --decoys + 3 segments (20 ids)")):
+        assert main(["--rows", "recent", *flags, "--out", str(tmp_path / "x.json")]) == 2
+        assert message in capsys.readouterr().err
