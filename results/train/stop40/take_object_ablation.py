@@ -3,18 +3,10 @@ other admissible ``take ...`` line deleted from the prompt (the demonstrated one
 from the list's other take lines, deleting them should put the right object on top.
 python results/train/stop40/take_object_ablation.py SPLIT MODEL_DIR..."""
 import sys, numpy as np, jax, jax.numpy as jnp
-from jaxopd.methods.benchmarks import resolve_source, subset, GeneratedCounts, references_for
-from jaxopd.methods.sft_data import walkthrough_samples
 from jaxopd.models.weights import load_qwen3
-from jaxopd.tokenizer import load_tokenizer
+from take_turns import take_samples
 split = sys.argv[1]; folders = sys.argv[2:]
-source = resolve_source("alfworld", "generated", counts=GeneratedCounts(), progress=False)
-tasks = subset(source.tasks(split), 24, seed=0)
-refs = references_for(source, tasks, workers=2, progress=False, kind="searching_expert", expert_max_turns=30)
-tok = load_tokenizer(folders[0])
-samples, _ = walkthrough_samples(list(refs.values()), tok, max_prompt_tokens=1024, thinking="task-tool-act-here",
-                                 action_weight=2.0)
-takes = [s for s in samples if tok.decode(s.tokens[s.loss_weight == 2.0]).startswith("<action>take")]
+tok, takes = take_samples(split, folders[0])
 cases = []
 for s in takes:
     start = int(np.argmax(s.loss_mask))
