@@ -21,6 +21,7 @@ from typing import Sequence
 
 from jaxopd.cli import Parser, UsageError, check_checkpoint_folder, check_out_file, command_line, run_main
 from jaxopd.methods.config import SFT_DEMONSTRATIONS, SFT_THINKING
+from jaxopd.rollout.tags import ACTION_FORMATS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,6 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-tasks", type=int, default=12, help="seeded subset of the split's games")
     parser.add_argument("--demonstrations", default="searching-expert", choices=SFT_DEMONSTRATIONS)
     parser.add_argument("--thinking", default="state", choices=SFT_THINKING)
+    parser.add_argument("--action-format", default="tight", choices=tuple(ACTION_FORMATS),
+                        help="how the demonstrations' action tag is written (train's --sft-action-format)")
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("--max-turns", type=int, default=30, help="the searching expert's turn limit")
     parser.add_argument("--free-running", action="store_true",
@@ -79,7 +82,7 @@ def run(args, argv) -> int:
     for reference in references.values():
         goal = parse_goal(reference.instruction)
         ref_samples, _ = walkthrough_samples([reference], tokenizer, max_prompt_tokens=args.max_prompt_tokens,
-                                             thinking=args.thinking)
+                                             thinking=args.thinking, action_format=args.action_format)
         samples += ref_samples
         goals += [goal.obj if goal else None] * len(ref_samples)
     rows, free, answers = {}, {}, {}
@@ -99,7 +102,8 @@ def run(args, argv) -> int:
             print(f"{folder} free-running: {json.dumps(free[folder])}", flush=True)
     command = command_line("python -m experiments.demo_fit", argv)
     result = {"command": command, "split": args.split, "games": len(references), "turns": len(samples),
-              "demonstrations": args.demonstrations, "thinking": args.thinking, "models": rows}
+              "demonstrations": args.demonstrations, "thinking": args.thinking,
+              "action_format": args.action_format, "models": rows}
     if teacher is not None:
         result.update(teacher=args.teacher, kl_temperature=args.kl_temperature)
     if args.free_running:

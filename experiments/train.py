@@ -29,6 +29,7 @@ from jaxopd.cli import UsageError
 from jaxopd.machine import machine_info
 from jaxopd.methods.benchmarks import BenchmarkError, GeneratedCounts, resolve_source, subset
 from jaxopd.methods.config import METHODS, PRESETS, SFT_DEMONSTRATIONS, SFT_THINKING, RunConfig, build_config
+from jaxopd.rollout.tags import ACTION_FORMATS
 from jaxopd.train.step import LR_SCHEDULES
 
 FLAG_FIELDS = ("benchmark", "games", "generated_train_games", "student", "teacher", "student_model_preset",
@@ -40,7 +41,7 @@ FLAG_FIELDS = ("benchmark", "games", "generated_train_games", "student", "teache
                "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "sft_demonstrations",
                "sft_context_weight", "sft_thinking", "sft_renamed_copies", "sft_take_copies", "sft_arrival_copies",
                "sft_change_copies", "sft_refused_copies", "sft_missing_copies", "lr_schedule",
-               "sft_group_by_length", "sft_action_weight", "max_supervised_tokens")
+               "sft_group_by_length", "sft_action_weight", "sft_action_format", "max_supervised_tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-action-weight", type=float, default=None, metavar="W",
                    help="SFT: weight of each demonstration's action tag (and end-of-turn token) in the loss, the "
                         "thinking's tokens weighing 1 (a weighted token mean); default 1")
+    p.add_argument("--sft-action-format", default=None, choices=tuple(ACTION_FORMATS),
+                   help="how the demonstrations' (and held-out turns') action tag is written: 'tight' "
+                        "<action>take cd 4 ...</action> (the paper's example), or 'spaced' "
+                        "<action> take cd 4 ...</action>, whose command's tokens are those of the thinking's last "
+                        "sentence; default tight")
     p.add_argument("--export-at", nargs=2, action="append", default=None, metavar=("STEP", "DIR"),
                    help="SFT: also write the model of step STEP as a Hugging Face folder DIR when the run passes it "
                         "(a weaker student from the teacher's own run; repeatable)")
@@ -254,7 +260,7 @@ def held_out_divergence(config: RunConfig, source: Any, tokenizer: Any, student:
     tasks = subset(source.tasks(config.resolved_eval_split), config.eval_tasks, seed=0)
     references = references_for(source, tasks, workers=min(4, os.cpu_count() or 1), progress=False)
     samples, _ = walkthrough_samples(references, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
-                                     thinking=config.sft_thinking)
+                                     thinking=config.sft_thinking, action_format=config.sft_action_format)
     student_graphdef, _ = nnx.split(student, nnx.Param)
     teacher_pair = nnx.split(teacher, nnx.Param)
 

@@ -936,3 +936,43 @@ def test_walkthrough_samples_weigh_the_action_tag(alfworld, tok):
         action_token_start(tok, "<think>\n\n</think>\n\ngo to desk 1", tok.encode("go to desk 1"))
     with pytest.raises(ValueError, match="does not split"):
         action_token_start(tok, response_text("look"), tok.encode("<think>x") + tok.encode(response_text("look")))
+
+
+def test_spaced_action_format_spells_the_command_as_the_thinking_does(alfworld, tok):
+    """``action_format="spaced"`` writes ``<action> {command}</action>``: the command's ids are then those of the
+    thinking's last sentence "I can {command}." (a leading-space verb), where the tight tag's are not (its verb has
+    no space, as in the admissible-action lines of the prompt); everything else of the sample is unchanged."""
+    from jaxopd.methods.sft_data import command_said
+    text = response_text("take mug 2 from countertop 1", "I can take mug 2 from countertop 1.", "spaced")
+    assert text == ("<think>\nI can take mug 2 from countertop 1.\n</think>\n\n"
+                    "<action> take mug 2 from countertop 1</action>")
+    assert extract_action(text) == "take mug 2 from countertop 1"
+    with pytest.raises(ValueError, match="unknown action format 'loose'"):
+        response_text("look", "", "loose")
+    _, _, reference = alfworld
+    with pytest.raises(ValueError, match="unknown action format"):
+        walkthrough_samples([reference], tok, max_prompt_tokens=2048, action_format="wide")
+    tight, _ = walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="task-tool-act-here",
+                                   action_weight=2.0)
+    spaced, _ = walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="task-tool-act-here",
+                                    action_weight=2.0, action_format="spaced")
+    assert len(tight) == len(spaced) > 1
+    copied = 0
+    for a, b, action in zip(tight, spaced, reference.actions):
+        prompt_length = int(np.argmax(b.loss_mask))
+        np.testing.assert_array_equal(a.tokens[:prompt_length], b.tokens[:prompt_length])
+        np.testing.assert_array_equal(a.loss_weight[a.loss_weight == 1.0], b.loss_weight[b.loss_weight == 1.0])
+        np.testing.assert_array_equal(a.tokens[a.loss_weight == 1.0], b.tokens[b.loss_weight == 1.0])  # same thinking
+        assert tok.decode(a.tokens[a.loss_weight == 2.0]) == f"<action>{action}</action>{IM_END}"
+        assert tok.decode(b.tokens[b.loss_weight == 2.0]) == f"<action> {action}</action>{IM_END}"
+        thinking = tok.decode(b.tokens[b.loss_weight == 1.0])
+        if command_said(thinking.split("\n")[1]) != action:
+            continue
+        copied += 1
+        said = tok.encode(f" {action}")
+        thought_ids = b.tokens[b.loss_weight == 1.0].tolist()
+        assert any(thought_ids[i:i + len(said)] == said for i in range(len(thought_ids)))
+        command = b.tokens[b.loss_weight == 2.0].tolist()[3:3 + len(said)]     # after '<', 'action', '>'
+        assert command == said
+        assert a.tokens[a.loss_weight == 2.0].tolist()[3] != said[0]           # tight: another id for the verb
+    assert copied > 1

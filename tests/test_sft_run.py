@@ -288,3 +288,16 @@ def test_export_at_writes_the_model_of_an_earlier_step_under_a_cosine_schedule(s
                                       "--export-at", "1", str(tmp_path / "y")])
     with pytest.raises(UsageError, match="--export-at writes intermediate SFT models"):
         config_from_args(args)
+
+
+def test_sft_action_format_is_checked_and_parsed():
+    from experiments.train import build_parser, config_from_args
+    with pytest.raises(ValueError, match="unknown SFT action format 'wide'"):
+        build_config("sft", preset="cpu", sft_action_format="wide")
+    assert build_config("vanilla-opd", preset="cpu", sft_action_format="spaced").sft_action_format == "spaced"
+    args = build_parser().parse_args(["--method", "sft", "--out", "unused", "--sft-action-format", "spaced"])
+    assert config_from_args(args).sft_action_format == "spaced"
+    assert config_from_args(build_parser().parse_args(["--method", "sft", "--out", "unused"])).sft_action_format \
+        == "tight"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--method", "sft", "--out", "unused", "--sft-action-format", "wide"])

@@ -13,6 +13,7 @@ import json
 from typing import Any, Mapping
 
 from jaxopd.methods.benchmarks import BENCHMARKS, EVAL_SPLITS, GAME_SOURCES, GeneratedCounts
+from jaxopd.rollout.tags import ACTION_FORMATS
 from jaxopd.train.step import LR_SCHEDULES
 
 METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallback", "actfirst-prefix-replay-50",
@@ -137,6 +138,7 @@ class RunConfig:
     lr_schedule: str = "constant"            # SFT only: "cosine" warms up over 5 % of the steps, then decays to 10 %
     sft_group_by_length: int = 0             # SFT only: batches of similar length, windows of this many (SFTDataset)
     sft_action_weight: float = 1.0           # SFT only: loss weight of the action tag's tokens (thinking: 1)
+    sft_action_format: str = "tight"         # rollout.tags.ACTION_FORMATS: SFT's and held-out answers' action tags
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -155,6 +157,9 @@ class RunConfig:
         if self.sft_thinking != "none" and self.benchmark != "alfworld":
             raise ValueError(f"{self.sft_thinking} thinking reads ALFWorld prompts; ScienceWorld SFT thinks nothing "
                              "(sft_thinking 'none')")
+        if self.sft_action_format not in ACTION_FORMATS:
+            raise ValueError(f"unknown SFT action format {self.sft_action_format!r}; expected one of "
+                             f"{tuple(ACTION_FORMATS)}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown learning-rate schedule {self.lr_schedule!r}; expected one of {LR_SCHEDULES}")
         if self.lr_schedule != "constant" and self.method != "sft":

@@ -63,7 +63,8 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
     still to clean, heat or cool (``FOCUS_TURNS["change"]``); then ``sft_refused_copies`` renamed copies of the turns
     after one more, refused, command (``sft_data.refused_turn``: the same step after "Nothing happens."), and
     ``sft_missing_copies`` of the turns after a refused ``go to`` a receptacle the room lacks
-    (``sft_data.missing_turn``); ``sft_action_weight`` weights every sample's action tag against its thinking. Raises
+    (``sft_data.missing_turn``); ``sft_action_weight`` weights every sample's action tag against its thinking, and
+    ``sft_action_format`` writes it (``rollout.tags.ACTION_FORMATS``). Raises
     ``ValueError`` when no demonstration succeeded."""
     tasks = subset(source.tasks(TRAIN_SPLIT[config.benchmark]), config.train_tasks, seed=config.seed)
     kind = SFT_DEMONSTRATIONS[config.sft_demonstrations]
@@ -83,7 +84,8 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
         demonstrations += renamed(copy)
     samples, stats = walkthrough_samples(demonstrations, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
                                          benchmark=config.benchmark, thinking=config.sft_thinking,
-                                         action_weight=config.sft_action_weight)
+                                         action_weight=config.sft_action_weight,
+                                         action_format=config.sft_action_format)
     copy = config.sft_renamed_copies                     # each further copy gets a renaming no copy before used
     for focus, copies in (("take", config.sft_take_copies), ("arrival", config.sft_arrival_copies),
                           ("change", config.sft_change_copies), ("refused", config.sft_refused_copies),
@@ -94,7 +96,8 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
                          else {"keep": FOCUS_TURNS[focus]})
             more, more_stats = walkthrough_samples(renamed(copy), tokenizer, max_prompt_tokens=config.max_prompt_tokens,
                                                    benchmark=config.benchmark, thinking=config.sft_thinking,
-                                                   action_weight=config.sft_action_weight, **selection)
+                                                   action_weight=config.sft_action_weight,
+                                                   action_format=config.sft_action_format, **selection)
             samples += more
             stats = stats.merged(more_stats)
     return SFTCorpus(samples, stats, list(tasks), references, failures)

@@ -32,7 +32,7 @@ from envs.alfworld_state import TaskState, parse_goal, task_state
 from envs.references import ReferenceTrajectory
 from jaxopd.methods.config import SFT_THINKING
 from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, executed_actions_and_answers, render_prompt
-from jaxopd.rollout.tags import ACTION_END, ACTION_START, THINK_END, THINK_START
+from jaxopd.rollout.tags import ACTION_END, ACTION_FORMATS, ACTION_START, THINK_END, THINK_START
 from jaxopd.train.buffer import Sample
 
 __all__ = ["SFT_MODE", "response_text", "state_thinking", "state_text", "plan_text", "plan_here_text",
@@ -48,14 +48,17 @@ SFT_MODE = "full"
 prompt ends at the open assistant turn (thinking on), so the response starts with ``<think>``."""
 
 
-def response_text(action: str, thinking: str = "") -> str:
+def response_text(action: str, thinking: str = "", action_format: str = "tight") -> str:
     """The teacher's answer for one turn: a thinking block followed by the action tag.
 
     Without ``thinking``: ``<think>\\n\\n</think>\\n\\n<action>{action}</action>``, what Qwen3's chat template
     writes for an assistant turn without reasoning; with it, ``<think>\\n{thinking}\\n</think>\\n\\n<action>…``.
     ``jaxopd.rollout.actions.extract_action`` parses either back to ``action``. The end-of-turn token
-    (``<|im_end|>``, the tokenizer's ``eos_token_id``) follows it in a sample's ids.
+    (``<|im_end|>``, the tokenizer's ``eos_token_id``) follows it in a sample's ids. ``action_format``
+    (``tags.ACTION_FORMATS``): ``spaced`` writes ``<action> {action}</action>``.
     """
+    if action_format not in ACTION_FORMATS:
+        raise ValueError(f"unknown action format {action_format!r}; expected one of {tuple(ACTION_FORMATS)}")
     if not isinstance(action, str):
         raise ValueError(f"response_text expects a str action, got {type(action).__name__}")
     if not action.strip() or action != action.strip():
@@ -68,7 +71,7 @@ def response_text(action: str, thinking: str = "") -> str:
         if tag in thinking:
             raise ValueError(f"the thinking {thinking!r} contains the tag {tag!r}")
     thought = f"\n{thinking}\n" if thinking else "\n\n"
-    return f"{THINK_START}{thought}{THINK_END}\n\n{ACTION_START}{action}{ACTION_END}"
+    return f"{THINK_START}{thought}{THINK_END}\n\n{ACTION_START}{ACTION_FORMATS[action_format]}{action}{ACTION_END}"
 
 
 def state_thinking(inputs: PromptInputs) -> str:
@@ -580,7 +583,8 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
                         *, max_prompt_tokens: int, benchmark: str = "alfworld", thinking: str = "none",
                         keep: Callable[[WalkthroughTurn], bool] | None = None,
                         rewrite: Callable[[WalkthroughTurn], WalkthroughTurn | None] | None = None,
-                        action_weight: float = 1.0) -> tuple[list[Sample], WalkthroughStats]:
+                        action_weight: float = 1.0, action_format: str = "tight"
+                        ) -> tuple[list[Sample], WalkthroughStats]:
     """Every walkthrough turn of ``references`` as an SFT sample, and the counts.
 
     A sample's ids are the full-mode prompt, rendered by ``render_prompt`` under ``max_prompt_tokens`` exactly
@@ -596,8 +600,11 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
     the others are not counted. ``rewrite``: each kept turn replaced by what it returns (:func:`refused_turn`), the
     turns it returns None for left out and not counted. ``action_weight`` w != 1: each sample's ``loss_weight`` is w on
     the action tag and the end-of-turn token (:func:`action_token_start` on), 1 on the thinking block
-    (``RunConfig.sft_action_weight``).
+    (``RunConfig.sft_action_weight``). ``action_format``: how the action tag is written (:func:`response_text`,
+    ``RunConfig.sft_action_format``).
     """
+    if action_format not in ACTION_FORMATS:
+        raise ValueError(f"unknown action format {action_format!r}; expected one of {tuple(ACTION_FORMATS)}")
     if not (isinstance(action_weight, (int, float)) and not isinstance(action_weight, bool)
             and np.isfinite(action_weight) and action_weight > 0):
         raise ValueError(f"action_weight must be a finite number > 0, got {action_weight!r}")
@@ -622,7 +629,7 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
                 stats.skipped += 1
                 continue
             thought = thinking_text(turn.inputs, thinking)
-            answer = response_text(turn.action, thought)
+            answer = response_text(turn.action, thought, action_format)
             response = list(tokenizer.encode(answer)) + [end_of_turn]
             prompt_ids = list(prompt.token_ids)
             length = len(prompt_ids) + len(response)
