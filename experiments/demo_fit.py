@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-tasks", type=int, default=12, help="seeded subset of the split's games")
     parser.add_argument("--demonstrations", default="searching-expert", choices=SFT_DEMONSTRATIONS)
     parser.add_argument("--thinking", default="state", choices=SFT_THINKING)
-    parser.add_argument("--action-format", default="tight", choices=tuple(ACTION_FORMATS),
+    parser.add_argument("--action-format", default="tight", choices=ACTION_FORMATS,
                         help="how the demonstrations' action tag is written (train's --sft-action-format)")
     parser.add_argument("--max-prompt-tokens", type=int, default=1024)
     parser.add_argument("--max-turns", type=int, default=30, help="the searching expert's turn limit")

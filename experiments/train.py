@@ -101,11 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-action-weight", type=float, default=None, metavar="W",
                    help="SFT: weight of each demonstration's action tag (and end-of-turn token) in the loss, the "
                         "thinking's tokens weighing 1 (a weighted token mean); default 1")
-    p.add_argument("--sft-action-format", default=None, choices=tuple(ACTION_FORMATS),
+    p.add_argument("--sft-action-format", default=None, choices=ACTION_FORMATS,
                    help="how the demonstrations' (and held-out turns') action tag is written: 'tight' "
                         "<action>take cd 4 ...</action> (the paper's example), or 'spaced' "
                         "<action> take cd 4 ...</action>, whose command's tokens are those of the thinking's last "
-                        "sentence; default tight")
+                        "sentence, or 'said': spaced where the thinking ends on saying the command, tight elsewhere; "
+                        "default tight")
     p.add_argument("--export-at", nargs=2, action="append", default=None, metavar=("STEP", "DIR"),
                    help="SFT: also write the model of step STEP as a Hugging Face folder DIR when the run passes it "
                         "(a weaker student from the teacher's own run; repeatable)")

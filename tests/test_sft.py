@@ -941,7 +941,8 @@ def test_walkthrough_samples_weigh_the_action_tag(alfworld, tok):
 def test_spaced_action_format_spells_the_command_as_the_thinking_does(alfworld, tok):
     """``action_format="spaced"`` writes ``<action> {command}</action>``: the command's ids are then those of the
     thinking's last sentence "I can {command}." (a leading-space verb), where the tight tag's are not (its verb has
-    no space, as in the admissible-action lines of the prompt); everything else of the sample is unchanged."""
+    no space, as in the admissible-action lines of the prompt); everything else of the sample is unchanged.
+    ``said`` is the spaced sample where the thinking ends on the command, the tight one elsewhere."""
     from jaxopd.methods.sft_data import command_said
     text = response_text("take mug 2 from countertop 1", "I can take mug 2 from countertop 1.", "spaced")
     assert text == ("<think>\nI can take mug 2 from countertop 1.\n</think>\n\n"
@@ -976,3 +977,13 @@ def test_spaced_action_format_spells_the_command_as_the_thinking_does(alfworld, 
         assert command == said
         assert a.tokens[a.loss_weight == 2.0].tolist()[3] != said[0]           # tight: another id for the verb
     assert copied > 1
+    said, _ = walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="task-tool-act-here",
+                                  action_weight=2.0, action_format="said")
+    kinds = set()
+    for a, b, c, action in zip(tight, spaced, said, reference.actions):
+        thinking = tok.decode(c.tokens[c.loss_weight == 1.0]).split("\n")[1]
+        kinds.add(command_said(thinking) == action)
+        np.testing.assert_array_equal(c.tokens, (b if command_said(thinking) == action else a).tokens)
+    assert kinds == {True, False}                  # both kinds of turn occur in the game
+    assert response_text("go to desk 1", "I need a cd.", "said").endswith("<action>go to desk 1</action>")
+    assert response_text("go to desk 1", "I can go to desk 1.", "said").endswith("<action> go to desk 1</action>")

@@ -294,7 +294,7 @@ def test_sft_action_format_is_checked_and_parsed():
     from experiments.train import build_parser, config_from_args
     with pytest.raises(ValueError, match="unknown SFT action format 'wide'"):
         build_config("sft", preset="cpu", sft_action_format="wide")
-    assert build_config("vanilla-opd", preset="cpu", sft_action_format="spaced").sft_action_format == "spaced"
+    assert build_config("vanilla-opd", preset="cpu", sft_action_format="said").sft_action_format == "said"
     args = build_parser().parse_args(["--method", "sft", "--out", "unused", "--sft-action-format", "spaced"])
     assert config_from_args(args).sft_action_format == "spaced"
     assert config_from_args(build_parser().parse_args(["--method", "sft", "--out", "unused"])).sft_action_format \

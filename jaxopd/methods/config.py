@@ -159,7 +159,7 @@ class RunConfig:
                              "(sft_thinking 'none')")
         if self.sft_action_format not in ACTION_FORMATS:
             raise ValueError(f"unknown SFT action format {self.sft_action_format!r}; expected one of "
-                             f"{tuple(ACTION_FORMATS)}")
+                             f"{ACTION_FORMATS}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown learning-rate schedule {self.lr_schedule!r}; expected one of {LR_SCHEDULES}")
         if self.lr_schedule != "constant" and self.method != "sft":

@@ -55,10 +55,11 @@ def response_text(action: str, thinking: str = "", action_format: str = "tight")
     writes for an assistant turn without reasoning; with it, ``<think>\\n{thinking}\\n</think>\\n\\n<action>…``.
     ``jaxopd.rollout.actions.extract_action`` parses either back to ``action``. The end-of-turn token
     (``<|im_end|>``, the tokenizer's ``eos_token_id``) follows it in a sample's ids. ``action_format``
-    (``tags.ACTION_FORMATS``): ``spaced`` writes ``<action> {action}</action>``.
+    (``tags.ACTION_FORMATS``): ``spaced`` writes ``<action> {action}</action>``; ``said`` does so when the thinking
+    ends on saying ``action`` (:func:`command_said`), else writes it ``tight``.
     """
     if action_format not in ACTION_FORMATS:
-        raise ValueError(f"unknown action format {action_format!r}; expected one of {tuple(ACTION_FORMATS)}")
+        raise ValueError(f"unknown action format {action_format!r}; expected one of {ACTION_FORMATS}")
     if not isinstance(action, str):
         raise ValueError(f"response_text expects a str action, got {type(action).__name__}")
     if not action.strip() or action != action.strip():
@@ -71,7 +72,8 @@ def response_text(action: str, thinking: str = "", action_format: str = "tight")
         if tag in thinking:
             raise ValueError(f"the thinking {thinking!r} contains the tag {tag!r}")
     thought = f"\n{thinking}\n" if thinking else "\n\n"
-    return f"{THINK_START}{thought}{THINK_END}\n\n{ACTION_START}{ACTION_FORMATS[action_format]}{action}{ACTION_END}"
+    spaced = action_format == "spaced" or (action_format == "said" and command_said(thinking) == action)
+    return f"{THINK_START}{thought}{THINK_END}\n\n{ACTION_START}{' ' if spaced else ''}{action}{ACTION_END}"
 
 
 def state_thinking(inputs: PromptInputs) -> str:
@@ -604,7 +606,7 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
     ``RunConfig.sft_action_format``).
     """
     if action_format not in ACTION_FORMATS:
-        raise ValueError(f"unknown action format {action_format!r}; expected one of {tuple(ACTION_FORMATS)}")
+        raise ValueError(f"unknown action format {action_format!r}; expected one of {ACTION_FORMATS}")
     if not (isinstance(action_weight, (int, float)) and not isinstance(action_weight, bool)
             and np.isfinite(action_weight) and action_weight > 0):
         raise ValueError(f"action_weight must be a finite number > 0, got {action_weight!r}")
