@@ -11,7 +11,8 @@ trains on rows of ``--width`` ids instead, built of ``--length``-id segments of 
 0 to ``--filler`` ids back: every row holds many copies, at the long distances of real prompts, for the cost of one.
 ``--rows recent`` asks which earlier occurrence to copy: a key id is followed by different spans ``--decoys`` times
 far back and once within ``--filler`` ids, and the recall copies the most recent span (the choice the CPU teacher
-gets wrong between its thinking and the admissible list's ``take`` lines, results/train stop 40).
+got wrong between its thinking and the admissible list's ``take`` lines, results/train stop 40; stop 41 found the
+cause in the tokenizer's spelling of the action's verb and repaired it with ``train --sft-action-format said``).
 
 Training is the SFT path's arithmetic: AdamW (weight decay 0, clip 1.0), the softmax restricted to the
 sub-vocabulary (``jaxopd.train.step.context_log_probs``). Rows of the tied embedding outside the sub-vocabulary
