@@ -11,6 +11,15 @@ in order, with their output folders under ``--runs``.
     python -m experiments.teacher_recipe                      # run every stage not yet done, in order
     python -m experiments.teacher_recipe --dry-run            # the commands, and which stages are done
     python -m experiments.teacher_recipe --until teacher-more # stop after that stage (here: no evaluations)
+    python -m experiments.teacher_recipe --recipe one-sft     # the recipe that fits one session (below)
+
+``ONE_SFT`` (``--recipe one-sft``, stop 42) is the recipe that fits a session: a fresh machine keeps nothing of
+``runs/`` from one session to the next, and the chain does not fit one. It shares the chain's copy warm-up, then
+trains ONE supervised run from the warm-up's weights on the chain's final data (``task-tool-act-here`` thinking,
+``said`` actions, the take, refused and missing copies), its batches grouped by length; its step-150 export is the
+student; then it evaluates the teacher as the chain does. On a fresh machine the first stage also generates the
+games and runs the searching expert (its 5 minutes took 20 at stop 42); the whole recipe took about 2.2 h there.
+It is shorter, not better: its teacher won 2.1 % (3 of 144) of the 48 games' episodes (results/train, stop 42).
 
 The last two stages evaluate the teacher and the student as stop 35 did (all 48 generated ``valid_unseen`` games,
 seeds 42/43/44; about 30 minutes each) and print their success beside the documented one. A stage is done when
@@ -47,7 +56,8 @@ from typing import Callable, Sequence
 from jaxopd.cli import Parser, UsageError, check_out_dir, run_main
 from jaxopd.machine import machine_info, numerics, same_numerics
 
-__all__ = ["Stage", "STAGES", "checkpoint_complete", "stage_done", "run_recipe", "main"]
+__all__ = ["Stage", "STAGES", "ONE_SFT", "RECIPES", "recipe_stages", "checkpoint_complete", "stage_done", "run_recipe",
+           "main"]
 
 # The searching-expert SFT settings every stage from the act teacher on shares (results/train, stops 30-31).
 _TOOL_SFT = ("--method sft --preset cpu --sft-demonstrations searching-expert --sft-thinking task-tool-act-here "
@@ -142,7 +152,23 @@ STAGES: tuple[Stage, ...] = (
     _evaluate("evaluate-student", "student-tool40-hf", "student-tool40-48", 2082, "stop 35", 28 / 144),
 )
 
-STAGE_NAMES = tuple(stage.name for stage in STAGES)
+# The recipe that fits one session (stop 42): the same copy warm-up, then ONE supervised run from its weights on the
+# chain's final data (task-tool-act-here thinking, said actions, take/refused/missing copies; 800 steps of 8 are 0.7
+# of an epoch of its 9,094 samples), its step-150 export the student, then the teacher's evaluation. Measured on a
+# fresh 2-core machine: games, expert and warm-up 29 min, SFT 65 min, evaluation 39 min; its teacher won 2.1 %.
+ONE_SFT: tuple[Stage, ...] = (
+    STAGES[0],
+    STAGES[1],
+    Stage("teacher-one", "experiments.train",
+          _TOOL_SFT + " --sft-missing-copies 1 --sft-action-format said --sft-group-by-length 32 --lr-schedule cosine "
+          "--batch-size 8 --steps 800 --checkpoint-every 50 --keep-checkpoints 2 --no-eval --no-progress "
+          "--out {runs}/sft-one --student {runs}/copy2-hf --export {runs}/teacher-one-hf "
+          "--export-at 150 {runs}/student-one-hf",
+          ("teacher-one-hf", "student-one-hf"), 3914, "stop 42 (one SFT run from the copy warm-up)"),
+    _evaluate("evaluate-teacher-one", "teacher-one-hf", "teacher-one-48", 2324, "stop 42", 3 / 144),
+)
+RECIPES: dict[str, tuple[Stage, ...]] = {"chain": STAGES, "one-sft": ONE_SFT}
+STAGE_NAMES = tuple(dict.fromkeys(stage.name for stages in RECIPES.values() for stage in stages))
 RECORD = "teacher_recipe.json"
 
 
@@ -199,10 +225,21 @@ def _other_machines(record: dict, machine: dict) -> list[str]:
     return others
 
 
-def run_recipe(runs: str, *, until: str | None = None, runner: Runner = run_in_process,
+def recipe_stages(recipe: str) -> tuple[Stage, ...]:
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
+    return RECIPES[recipe]
+
+
+def run_recipe(runs: str, *, recipe: str = "chain", until: str | None = None, runner: Runner = run_in_process,
                log: Callable[[str], None] = print) -> int:
-    """Runs every stage not done, in order, up to ``until`` (inclusive; default the last); returns 0, or the exit
-    status of the first stage that failed (later stages do not run). Records each stage in ``<runs>/RECORD``."""
+    """Runs every stage of ``RECIPES[recipe]`` not done, in order, up to ``until`` (inclusive; default the last);
+    returns 0, or the exit status of the first stage that failed (later stages do not run). Records each stage in
+    ``<runs>/RECORD``."""
+    stages = recipe_stages(recipe)
+    names = [stage.name for stage in stages]
+    if until is not None and until not in names:
+        raise ValueError(f"stage {until!r} is not in the {recipe} recipe; its stages: {', '.join(names)}")
     root = Path(runs)
     root.mkdir(parents=True, exist_ok=True)
     record_path = root / RECORD
@@ -210,8 +247,8 @@ def run_recipe(runs: str, *, until: str | None = None, runner: Runner = run_in_p
     record["machine"] = machine = machine_info(devices=False)
     record.setdefault("stages", {})
     others = _other_machines(record, machine)
-    last = STAGE_NAMES.index(until) if until is not None else len(STAGES) - 1
-    for stage in STAGES[:last + 1]:
+    last = names.index(until) if until is not None else len(stages) - 1
+    for stage in stages[:last + 1]:
         if stage_done(stage, root):
             log(f"[{stage.name}] done: {', '.join(str(root / f) for f in stage.outputs)}{_success(stage, root)}")
             continue
@@ -254,8 +291,11 @@ def build_parser() -> Parser:
     parser = Parser(prog="python -m experiments.teacher_recipe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", default="runs",
                         help="the folder every stage reads and writes its checkpoints in (default: runs)")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="chain",
+                        help="chain: the eight runs of the documented teacher and student (about 5.3 h); one-sft: "
+                             "the copy warm-up and one SFT run, which fit a session (about 2.2 h; stop 42)")
     parser.add_argument("--until", choices=STAGE_NAMES, default=None,
-                        help="stop after this stage (default: the last, evaluate-student)")
+                        help="stop after this stage of the recipe (default: its last)")
     parser.add_argument("--dry-run", action="store_true", help="print the stages' commands and which are done")
     return parser
 
@@ -267,16 +307,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_out_dir("--runs", args.runs)
         elif Path(args.runs).exists() and not Path(args.runs).is_dir():
             raise UsageError(f"--runs {args.runs!r} is not a folder")
+        stages = RECIPES[args.recipe]
+        if args.until is not None and args.until not in {stage.name for stage in stages}:
+            raise UsageError(f"--until {args.until!r} is not a stage of --recipe {args.recipe}; its stages: "
+                             f"{', '.join(stage.name for stage in stages)}")
         if args.dry_run:
             total = 0.0
-            for stage in STAGES:
+            for stage in stages:
                 done = stage_done(stage, args.runs)
                 total += 0 if done else stage.measured_s
                 print(f"# {stage.name} ({'done' if done else f'{stage.measured_s / 60:.0f} min'}; {stage.source})")
                 print(stage.command(args.runs))
             print(f"# left: about {total / 3600:.1f} h on 2 CPU cores (the stages' measured wall-clock)")
             return 0
-        return run_recipe(args.runs, until=args.until)
+        return run_recipe(args.runs, recipe=args.recipe, until=args.until)
 
     return run_main(body)
 

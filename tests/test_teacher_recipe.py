@@ -23,28 +23,32 @@ def write_checkpoint(folder: Path) -> None:
     save_file({"w": np.arange(6, dtype=np.float32)}, str(folder / "model.safetensors"))
 
 
-COMMITTED_EVALUATIONS = {"evaluate-teacher": "eval-teacher", "evaluate-student": "eval-student"}
+COMMITTED_EVALUATIONS = {"evaluate-teacher": "eval48/eval-teacher", "evaluate-student": "eval48/eval-student",
+                         "evaluate-teacher-one": "stop42/eval-teacher-one"}
+ALL_STAGES = tuple({stage.name: stage for stages in recipe.RECIPES.values() for stage in stages}.values())
 
 
 def test_every_stage_is_a_command_of_results_train():
     """The recipe replays the documented commands verbatim (the evaluations: the commands their committed
     evaluation.json records, and the success rates they measured): a change to either shows here."""
     documented = (REPO / "results" / "train" / "README.md").read_text()
-    for stage in recipe.STAGES:
+    for stage in ALL_STAGES:
         if stage.evaluation is None:
             assert stage.command("runs") in documented, stage.name
             continue
-        committed = REPO / "results" / "train" / "eval48" / COMMITTED_EVALUATIONS[stage.name]
+        committed = REPO / "results" / "train" / COMMITTED_EVALUATIONS[stage.name]
         meta = json.loads((committed / "evaluation.json").read_text())["meta"]
         assert stage.command("runs") == meta["command"]
         assert recipe.evaluation_success(committed) == pytest.approx(stage.documented_success)
-    assert set(COMMITTED_EVALUATIONS) == {s.name for s in recipe.STAGES if s.evaluation}
+    assert set(COMMITTED_EVALUATIONS) == {s.name for s in ALL_STAGES if s.evaluation}
 
 
-def test_stages_chain_through_their_exports():
-    """Each stage starts from a folder an earlier stage exports; train stages parse with experiments.train."""
+@pytest.mark.parametrize("name", sorted(recipe.RECIPES))
+def test_stages_chain_through_their_exports(name):
+    """Each stage starts from a folder an earlier stage of its recipe exports; train stages parse with
+    experiments.train."""
     made = set()
-    for stage in recipe.STAGES:
+    for stage in recipe.RECIPES[name]:
         argv = stage.argv("runs")
         flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
         start = flags.get("--student") or flags.get("--init")
@@ -61,8 +65,13 @@ def test_stages_chain_through_their_exports():
         if stage.module == "experiments.train":
             args = train_parser().parse_args(argv)
             assert args.method == "sft" and args.out.startswith("runs/")
-    assert {"teacher-more-hf", "student-tool40-hf"} <= made
-    assert [s.name for s in recipe.STAGES[-3:]] == ["teacher-more", "evaluate-teacher", "evaluate-student"]
+    if name == "chain":
+        assert {"teacher-more-hf", "student-tool40-hf"} <= made
+        assert [s.name for s in recipe.STAGES[-3:]] == ["teacher-more", "evaluate-teacher", "evaluate-student"]
+    else:
+        assert made == {"copy1-hf", "copy2-hf", "teacher-one-hf", "student-one-hf"}
+        assert recipe.ONE_SFT[-1].argv("runs")[1] == "runs/teacher-one-hf"
+        assert recipe.ONE_SFT[:2] == recipe.STAGES[:2]                 # the same copy warm-up
 
 
 def test_checkpoint_complete(tmp_path):
@@ -95,7 +104,7 @@ class FakeRunner:
         self.runs, self.fail_at, self.ran = runs, fail_at, []
 
     def __call__(self, argv, log: Path) -> int:
-        stage = next(s for s in recipe.STAGES if argv[3:] == s.argv(str(self.runs)))
+        stage = next(s for s in ALL_STAGES if argv[3:] == s.argv(str(self.runs)))
         assert argv[1:3] == ["-m", stage.module]
         self.ran.append(stage.name)
         if stage.name == self.fail_at:
@@ -166,6 +175,31 @@ def test_run_recipe_skips_done_stages_stops_at_failure_and_records(tmp_path, mon
     lines.clear()
     assert recipe.run_recipe(str(runs), runner=FakeRunner(runs, fail_at="copy-warmup-1"), log=lines.append) == 0
     assert len(lines) == len(recipe.STAGES) and "[evaluate-teacher] done" in lines[-2] and "40.3 %" in lines[-2]
+
+
+def test_one_sft_recipe_shares_the_warm_up_and_refuses_other_stages(tmp_path, capsys):
+    """The one-sft recipe skips a warm-up the chain made, runs its own SFT and evaluation, never a chain stage;
+    --until names a stage of the chosen recipe."""
+    runs = tmp_path / "runs"
+    write_checkpoint(runs / "copy1-hf")
+    write_checkpoint(runs / "copy2-hf")
+    runner = FakeRunner(runs)
+    lines = []
+    assert recipe.run_recipe(str(runs), recipe="one-sft", runner=runner, log=lines.append) == 0
+    assert runner.ran == ["teacher-one", "evaluate-teacher-one"]
+    assert all(recipe.stage_done(stage, runs) for stage in recipe.ONE_SFT)
+    assert not recipe.stage_done(recipe.STAGES[2], runs)
+    assert "[evaluate-teacher-one] finished" in lines[-1] and "success 25.0 % (results/train, stop 42:" in lines[-1]
+    with pytest.raises(ValueError, match="stage 'teacher-more' is not in the one-sft recipe"):
+        recipe.run_recipe(str(runs), recipe="one-sft", until="teacher-more", runner=runner)
+    with pytest.raises(ValueError, match="unknown recipe 'nope'"):
+        recipe.run_recipe(str(runs), recipe="nope", runner=runner)
+    assert recipe.main(["--runs", str(runs), "--recipe", "one-sft", "--until", "teacher-more"]) == 2
+    assert "--until 'teacher-more' is not a stage of --recipe one-sft" in capsys.readouterr().err
+    assert recipe.main(["--runs", str(runs), "--recipe", "one-sft", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(done;") == 4 and "# left: about 0.0 h" in out
+    assert recipe.ONE_SFT[2].command(str(runs)) in out and recipe.STAGES[2].command(str(runs)) not in out
 
 
 def test_a_stage_that_exits_0_without_its_export_fails(tmp_path):
