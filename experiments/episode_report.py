@@ -5,7 +5,8 @@
 
 Each ``--eval LABEL=PATH`` is an ``experiments.evaluate`` output folder (or its ``evaluation.json``). Writes
 ``transcripts.json``, ``transcripts.md`` (one row per evaluation: won, the progress funnel, refused and repeated
-moves, thinking fidelity) and ``funnel.png`` (the share of episodes reaching each stage).
+moves, thinking fidelity, whether the thinking read the observation it answered) and ``funnel.png`` (the share of
+episodes reaching each stage).
 """
 from __future__ import annotations
 
@@ -61,15 +62,16 @@ def markdown(rows: Mapping[str, Mapping[str, Any]], thinking: str) -> str:
     head = ("| evaluation | episodes | held a goal object | changed it | put one in place | won | moves refused | "
             f"repeats | refused, given again | thinking = {thinking} rule | thinking names goal | named in view, "
             "taken | command said, "
-            "done | change said, right |")
-    lines = [head, "|" + "---|" * 14]
+            "done | change said, right | named in view, truly | listing copied |")
+    lines = [head, "|" + "---|" * 16]
     for label, row in rows.items():
         funnel = row["funnel"]
         cells = [f"{funnel[s]['episodes']}/{funnel[s]['of']}" for s in STAGES]
         lines.append(f"| {label} | {row['episodes']} | " + " | ".join(cells) + f" | {_pct(row['refused'])} | "
                      f"{_pct(row['repeated'])} | {_of(row['refusal_repeated'])} | {_pct(row['thinking_faithful'])} | "
                      f"{_pct(row['thinking_names_goal'])} | "
-                     + " | ".join(_of(row[name]) for name in ("named_taken", "command_followed", "change_right"))
+                     + " | ".join(_of(row[name]) for name in ("named_taken", "command_followed", "change_right",
+                                                              "named_true", "listing_right"))
                      + " |")
     return "\n".join(lines) + "\n"
 

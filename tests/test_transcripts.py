@@ -172,3 +172,33 @@ def test_thinking_against_action_by_hand():
     assert counts["change_right"] == {"rounds": 2, "of": 3, "share": pytest.approx(2 / 3)}
     look = transcript_counts([_look_episode()], thinking="plan")
     assert look["change_right"] == {"rounds": 0, "of": 0, "share": None}   # a look task changes nothing
+
+
+def test_thinking_against_observation_by_hand():
+    """Whether the thinking read the observation it answered: an object said in view that the observation names
+    (the first round answers an unrecorded observation: never), and an arrival's or an opening's classes copied
+    as the listing rules write them; rules that copy no listing count none."""
+    from jaxopd.methods.transcripts import transcript_counts
+
+    instruction = "Your task is to: cool some mug and put it in cabinet."
+    steps = [("I need a mug. I see mug 2 here.", "go to countertop 1",
+              "You arrive at countertop 1. On the countertop 1, you see a apple 1, a mug 2, and a apple 3."),
+             ("Your task is to: cool some mug and put it in cabinet. Here: apple, mug. I need a mug. I see mug 2 "
+              "here.", "take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1."),
+             ("I hold mug 2.", "go to cabinet 1", "You arrive at cabinet 1. The cabinet 1 is closed."),
+             ("Here: nothing.", "open cabinet 1", "You open the cabinet 1. The cabinet 1 is open. In it, you see "
+                                                  "a cup 4."),
+             ("Here: cup. I see mug 4 here.", "look", "Nothing happens.")]
+    episode = {"task_id": COOL_ID, "won": False, "actions": [a for _, a, _ in steps],
+               "feedback": [f for _, _, f in steps], "answers": [_answer(t, a) for t, a, _ in steps],
+               "instruction": instruction}
+    counts = transcript_counts([episode], thinking="task-list-act-here")
+    # "I see mug 2 here." before any observation: false; after the countertop's listing: true; mug 4 at the
+    # opened cabinet (a cup 4): false
+    assert counts["named_true"] == {"rounds": 1, "of": 3, "share": pytest.approx(1 / 3)}
+    # rounds 1 (apple, mug) and 4 (cup) answer a listing; the closed cabinet (round 3) lists nothing
+    assert counts["listing_right"] == {"rounds": 2, "of": 2, "share": 1.0}
+    assert transcript_counts([episode], thinking="plan")["listing_right"] == {"rounds": 0, "of": 0, "share": None}
+    assert transcript_counts([episode], thinking="plan")["named_true"] == counts["named_true"]
+    episode["answers"][4] = _answer("Here: cup, mug. I see mug 4 here.", "look")
+    assert transcript_counts([episode], thinking="task-list-act-here")["listing_right"]["rounds"] == 1

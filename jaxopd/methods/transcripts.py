@@ -10,7 +10,11 @@ thought in that state (``jaxopd.methods.sft_data.THINKING_RULES`` for the state 
 history shows), the share that names the goal object (beyond a restated instruction), and whether the action does
 what the thinking said: of the rounds whose thinking names an object in view, those whose action takes it; of those
 ending on a command ("I can ..."), those whose action is it; of those saying a change ("I must cool it with a
-fridge."), those whose verb and tool are the task's. Everything is read
+fridge."), those whose verb and tool are the task's. And whether the thinking read the observation it answered
+(stop 43): of the rounds whose thinking names an object in view, those where that observation names it
+(``named_true``); of the rounds answering an arrival or an opening whose rule's thinking copies the listed classes
+(``sft_data.listing_sentence``, the ``task-list-*`` and ``task-tool-*`` rules), those whose thinking holds that very
+sentence (``listing_right``). Everything is read
 from text the agent was shown; the goal comes from the record's instruction, or from the task id
 (``envs.alfworld_state.goal_of_task_id``) in records written before they kept it (``task-plan-here`` fidelity needs
 the instruction).
@@ -19,9 +23,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from envs.alfworld_state import Goal, goal_of_task_id, parse_goal, task_state, without_restated_instruction
+from envs.alfworld_state import (Goal, goal_of_task_id, objects_in_view, parse_goal, task_state,
+                                  without_restated_instruction)
 from envs.alfworld import REFUSED_FEEDBACK
-from jaxopd.methods.sft_data import THINKING_RULES, change_said, command_said, named_in_view
+from jaxopd.methods.sft_data import THINKING_RULES, change_said, command_said, listing_sentence, named_in_view
 from jaxopd.rollout.tags import THINK_END, THINK_START
 
 __all__ = ["REFUSED", "thinking_of", "episode_progress", "transcript_counts"]
@@ -83,7 +88,8 @@ def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = 
         raise ValueError("no episodes to count")
     rule = THINKING_RULES[thinking]
     rounds = refused = repeated = faithful = names_goal = no_thinking = 0
-    agreements = {name: [0, 0] for name in ("named_taken", "command_followed", "change_right", "refusal_repeated")}
+    agreements = {name: [0, 0] for name in ("named_taken", "command_followed", "change_right", "refusal_repeated",
+                                            "named_true", "listing_right")}
     stages = {stage: [0, 0] for stage in ("held", "changed", "placed", "won")}
     for episode in episodes:
         goal, states = _states(episode)
@@ -99,7 +105,8 @@ def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = 
             if thought is None:
                 no_thinking += 1
                 continue
-            faithful += thought == rule(states[t])
+            ruled = rule(states[t])
+            faithful += thought == ruled
             names_goal += goal.obj in without_restated_instruction(thought)
             action, named, command = actions[t].strip(), named_in_view(thought), command_said(thought)
             change = change_said(thought) if goal.tool else None
@@ -109,6 +116,14 @@ def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = 
                 if said is not None:
                     agreements[name][0] += bool(agrees)
                     agreements[name][1] += 1
+            observation = feedback[t - 1] if t else ""      # what this round answered (the first: not recorded)
+            if named is not None:
+                agreements["named_true"][0] += named in objects_in_view(observation, named.split()[0])
+                agreements["named_true"][1] += 1
+            listed = states[t].listed
+            if listed is not None and listing_sentence(listed) in ruled:
+                agreements["listing_right"][0] += listing_sentence(listed) in thought
+                agreements["listing_right"][1] += 1
         for stage, reached in episode_progress(episode).items():
             if reached is not None:
                 stages[stage][0] += reached
