@@ -19,7 +19,9 @@ trains ONE supervised run from the warm-up's weights on the chain's final data (
 ``said`` actions, the take, refused and missing copies), its batches grouped by length; its step-150 export is the
 student; then it evaluates the teacher as the chain does. On a fresh machine the first stage also generates the
 games and runs the searching expert (its 5 minutes took 20 at stop 42); the whole recipe took about 2.2 h there.
-It is shorter, not better: its teacher won 2.1 % (3 of 144) of the 48 games' episodes (results/train, stop 42).
+It is shorter, not better: its teacher won 2.1 % (3 of 144) of the 48 games' episodes (results/train, stop 42);
+resumed to 1,600 steps (a warm restart of the cosine schedule, 70 more minutes) it won 9.7 %, within noise of the
+chain's rebuilt 11.8 % (stop 43).
 
 The last two stages evaluate the teacher and the student as stop 35 did (all 48 generated ``valid_unseen`` games,
 seeds 42/43/44; about 30 minutes each) and print their success beside the documented one. A stage is done when
