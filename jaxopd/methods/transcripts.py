@@ -120,9 +120,9 @@ def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = 
             if named is not None:
                 agreements["named_true"][0] += named in objects_in_view(observation, named.split()[0])
                 agreements["named_true"][1] += 1
-            listed = states[t].listed
-            if listed is not None and listing_sentence(listed) in ruled:
-                agreements["listing_right"][0] += listing_sentence(listed) in thought
+            listing = listing_sentence(states[t].listed) if states[t].listed is not None else None
+            if listing is not None and listing in ruled:
+                agreements["listing_right"][0] += listing in thought
                 agreements["listing_right"][1] += 1
         for stage, reached in episode_progress(episode).items():
             if reached is not None:
