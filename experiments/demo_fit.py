@@ -131,13 +131,14 @@ def run(args, argv) -> int:
     if args.free_running:
         table += (f"\nFree-running (greedy answers the model writes itself in the same states, thinking budget "
                   f"{first} / {total}):\n\n| model | action exact | no action | thinking exact "
-                  "| thinking names the goal | goal in view: said | goal not in view: claimed |\n"
-                  "|---|---|---|---|---|---|---|\n")
+                  "| thinking names the goal | goal in view: said | goal not in view: claimed | listing copied |\n"
+                  "|---|---|---|---|---|---|---|---|\n")
         for folder, row in free.items():
             table += (f"| `{folder}` | {row['action_exact']:.3f} | {row['no_action']:.3f} | "
                       f"{cell(row['thinking_exact'])} | {cell(row.get('thinking_names_goal'))} | "
                       f"{cell(row.get('goal_in_view_said'))} ({row.get('goal_in_view_turns', 0)} turns) | "
-                      f"{cell(row.get('goal_in_view_claimed'))} |\n")
+                      f"{cell(row.get('goal_in_view_claimed'))} | {cell(row['listing_copied'])} "
+                      f"({row['listing_turns']} turns) |\n")
         table += "\nFree-running action exact by the demonstrated verb:\n\n"
         for folder, row in free.items():
             table += f"- `{folder}`: " + ", ".join(f"{verb} {c['exact']}/{c['turns']}"

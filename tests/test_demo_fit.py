@@ -240,3 +240,35 @@ def test_cli_teacher_adds_the_exact_reverse_kl_of_each_model(tmp_path, monkeypat
     assert expected > 1e-3
     assert result["models"][folders[1]]["exact_reverse_kl"] == pytest.approx(0.0, abs=1e-6)
     assert "exact reverse KL" in out.with_suffix(".md").read_text()
+
+
+def test_listing_copied_by_hand(setup):
+    """``listing_copied``: of the demonstrations whose thinking copies a listing ("Here: apple, mug."), the answers
+    whose thinking says that very sentence; a listing in a turn whose demonstration lists nothing is not counted,
+    and another listing, a partial one or none at all is a miss."""
+    from jaxopd.methods.sft_data import listing_said, listing_sentence
+
+    tokenizer = setup[0]
+    here = listing_sentence(["apple", "mug"])
+    demonstrated = [(f"I need a mug. {here} I see mug 2 here.", "take mug 2 from shelf 1"),
+                    (f"I need a mug. {here}", "go to desk 1"),
+                    (f"I need a mug. {listing_sentence([])}", "go to desk 1"),
+                    (f"I need a mug. {here}", "go to bed 1"),
+                    ("I need a mug. I am at desk 1.", "go to shelf 1")]
+    samples = []
+    for thinking, action in demonstrated:
+        ids = tokenizer.encode("Task: put a mug in desk.")
+        response = tokenizer.encode(response_text(action, thinking)) + [tokenizer.eos_token_id]
+        samples.append(Sample(tokens=np.array(ids + response), loss_mask=np.array([False] * len(ids) + [True] *
+                                                                                 len(response)),
+                              behavior_logp=np.zeros(len(ids) + len(response), np.float32), policy_version=0))
+    answers = ["<think>\nI need a mug. Here: apple, mug. I see mug 7 here.\n</think>\n\n<action>go to bed 1</action>",
+               "<think>\nI need a mug. Here: mug.\n</think>\n\n<action>go to desk 1</action>",
+               "<think>\nI need a mug. Here: nothing.\n</think>\n\n<action>go to desk 1</action>",
+               "<think>\nI need a mug.\n</think>\n\n<action>go to bed 1</action>",
+               "<think>\nI need a mug. Here: pen.\n</think>\n\n<action>go to shelf 1</action>"]
+    scores = score_free_answers(samples, answers, tokenizer)
+    assert scores["listing_turns"] == 4 and scores["listing_copied"] == 0.5         # answers 1 and 3
+    assert listing_said("Tool: x. Here: apple, cup. I see") == "Here: apple, cup."
+    assert listing_said("Here: nothing.") == "Here: nothing." and listing_said("I am here.") is None
+    assert listing_said(None) is None

@@ -25,7 +25,8 @@ through the paged engine under the rollouts' thinking budget), as in play. Teach
 demonstration's thinking; free-running, its own first copy can go wrong and the action follows it, which is how a
 teacher can fit the demonstrations and still win nothing (results/train, stop 25). ``score_free_answers`` scores
 answers against the demonstrations: the action exact (by the demonstrated verb), the thinking exact, whether the
-thinking names the goal object, and answers without a parsable action.
+thinking names the goal object, whether it copies the listing an arrival or an opening gave, and answers without a
+parsable action.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from flax import nnx
 
 from envs.alfworld_state import without_restated_instruction
 from jaxopd.methods.divergence import supervised_log_softmax
-from jaxopd.methods.sft_data import says_in_view, tool_said
+from jaxopd.methods.sft_data import listing_said, says_in_view, tool_said
 from jaxopd.methods.transcripts import thinking_of
 from jaxopd.rollout.actions import extract_action
 from jaxopd.rollout.tags import ACTION_END, ACTION_START
@@ -170,7 +171,10 @@ def score_free_answers(samples: Sequence[Sample], answers: Sequence[str], tokeni
     counted (``envs.alfworld_state.without_restated_instruction``); ``goal_in_view_said``: the share of the turns
     whose demonstration says the goal object is in view ("I see apple 4 here.", ``sft_data.says_in_view``) where the
     answer says so too (``goal_in_view_turns`` of them), and ``goal_in_view_claimed``: the share of the other turns
-    where the answer says so all the same (the agent perceiving a goal object that is not there).
+    where the answer says so all the same (the agent perceiving a goal object that is not there); ``listing_copied``:
+    of the ``listing_turns`` whose demonstrated thinking copies what an arrival or an opening listed
+    (``sft_data.listing_sentence``, "Here: apple, mug."), the share whose answer's thinking says that very
+    sentence (whether the agent reads the observation it answers).
     """
     if len(answers) != len(samples):
         raise ValueError(f"{len(answers)} answers for {len(samples)} samples")
@@ -179,7 +183,7 @@ def score_free_answers(samples: Sequence[Sample], answers: Sequence[str], tokeni
     if not samples:
         raise ValueError("score_free_answers needs at least one sample")
     exact = no_action = thinking_turns = thinking_exact = goal_turns = goal_named = 0
-    in_view_turns = in_view_said = in_view_claimed = 0
+    in_view_turns = in_view_said = in_view_claimed = listing_turns = listing_copied = 0
     by_verb: dict[str, list[int]] = {}
     for index, (sample, answer) in enumerate(zip(samples, answers)):
         _, demonstration = _prompt_and_demonstration(sample, tokenizer)
@@ -196,6 +200,10 @@ def score_free_answers(samples: Sequence[Sample], answers: Sequence[str], tokeni
         if wanted_thinking:
             thinking_turns += 1
             thinking_exact += got_thinking == wanted_thinking
+        listing = listing_said(wanted_thinking)
+        if listing is not None:
+            listing_turns += 1
+            listing_copied += listing_said(got_thinking) == listing
         goal = None if goal_objects is None else goal_objects[index]
         if _names(wanted_thinking, goal):
             goal_turns += 1
@@ -210,7 +218,8 @@ def score_free_answers(samples: Sequence[Sample], answers: Sequence[str], tokeni
         "turns": turns, "action_exact": exact / turns, "no_action": no_action / turns,
         "action_exact_by_verb": {verb: {"exact": hits, "turns": n} for verb, (hits, n) in sorted(by_verb.items())},
         "thinking_turns": thinking_turns,
-        "thinking_exact": thinking_exact / thinking_turns if thinking_turns else None}
+        "thinking_exact": thinking_exact / thinking_turns if thinking_turns else None,
+        "listing_turns": listing_turns, "listing_copied": listing_copied / listing_turns if listing_turns else None}
     if goal_objects is not None:
         result.update(goal_turns=goal_turns, thinking_names_goal=goal_named / goal_turns if goal_turns else None,
                       goal_in_view_turns=in_view_turns,

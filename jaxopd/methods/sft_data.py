@@ -213,6 +213,12 @@ def listing_sentence(classes: Sequence[str]) -> str:
     return f"Here: {', '.join(classes) if classes else 'nothing'}."
 
 
+def listing_said(text: str | None) -> str | None:
+    """The first :func:`listing_sentence` ``text`` says (``"Here: apple, cup."``), or None."""
+    found = re.search(r"\bHere: [a-z]+(?:, [a-z]+)*\.", text or "")
+    return found.group(0) if found else None
+
+
 def task_list_plan_here_text(state: TaskState) -> str:
     """:func:`task_plan_here_text` with, after the restated instruction, the object classes the engine just listed
     at an arrival or an opening (:func:`listing_sentence`; nothing in other states), ``--sft-thinking
