@@ -149,6 +149,18 @@ def test_free_answers_scored_by_hand(setup):
         score_free_answers(samples, answers[:2], tokenizer)
 
 
+def _demonstrated_samples(tokenizer, prompt: str, demonstrated) -> list[Sample]:
+    """One sample per (thinking, action): ``prompt``'s tokens, then the response, supervised."""
+    samples = []
+    for thinking, action in demonstrated:
+        ids = tokenizer.encode(prompt)
+        response = tokenizer.encode(response_text(action, thinking)) + [tokenizer.eos_token_id]
+        samples.append(Sample(tokens=np.array(ids + response), loss_mask=np.array([False] * len(ids) + [True] *
+                                                                                 len(response)),
+                              behavior_logp=np.zeros(len(ids) + len(response), np.float32), policy_version=0))
+    return samples
+
+
 def test_goal_in_view_said_and_claimed_by_hand(setup):
     """``goal_in_view_said``: of the demonstrations saying "I see <goal> N here.", the answers saying it too (any
     number); ``goal_in_view_claimed``: of the others, the answers saying it anyway. Another object in view (a lamp)
@@ -161,13 +173,7 @@ def test_goal_in_view_said_and_claimed_by_hand(setup):
                     ("I need a mug. I am at desk 1.", "go to shelf 1"),
                     ("I need a mug. I am at bed 1.", "go to desk 1"),
                     ("I hold mug 1. I need a desklamp. I see desklamp 1 here.", "use desklamp 1")]
-    samples = []
-    for thinking, action in demonstrated:
-        ids = tokenizer.encode("Task: look at mug under the desklamp.")
-        response = tokenizer.encode(response_text(action, thinking)) + [tokenizer.eos_token_id]
-        samples.append(Sample(tokens=np.array(ids + response), loss_mask=np.array([False] * len(ids) + [True] *
-                                                                                 len(response)),
-                              behavior_logp=np.zeros(len(ids) + len(response), np.float32), policy_version=0))
+    samples = _demonstrated_samples(tokenizer, "Task: look at mug under the desklamp.", demonstrated)
     answers = ["<think>\nI need a mug. I see mug 7 here.\n</think>\n\n<action>take mug 7 from shelf 1</action>",
                "<think>\nI need a mug. I am at desk 1.\n</think>\n\n<action>go to bed 1</action>",
                "<think>\nI need a mug. I see mug 3 here.\n</think>\n\n<action>take mug 3 from desk 1</action>",
@@ -255,13 +261,7 @@ def test_listing_copied_by_hand(setup):
                     (f"I need a mug. {listing_sentence([])}", "go to desk 1"),
                     (f"I need a mug. {here}", "go to bed 1"),
                     ("I need a mug. I am at desk 1.", "go to shelf 1")]
-    samples = []
-    for thinking, action in demonstrated:
-        ids = tokenizer.encode("Task: put a mug in desk.")
-        response = tokenizer.encode(response_text(action, thinking)) + [tokenizer.eos_token_id]
-        samples.append(Sample(tokens=np.array(ids + response), loss_mask=np.array([False] * len(ids) + [True] *
-                                                                                 len(response)),
-                              behavior_logp=np.zeros(len(ids) + len(response), np.float32), policy_version=0))
+    samples = _demonstrated_samples(tokenizer, "Task: put a mug in desk.", demonstrated)
     answers = ["<think>\nI need a mug. Here: apple, mug. I see mug 7 here.\n</think>\n\n<action>go to bed 1</action>",
                "<think>\nI need a mug. Here: mug.\n</think>\n\n<action>go to desk 1</action>",
                "<think>\nI need a mug. Here: nothing.\n</think>\n\n<action>go to desk 1</action>",
