@@ -202,3 +202,6 @@ def test_thinking_against_observation_by_hand():
     assert transcript_counts([episode], thinking="plan")["named_true"] == counts["named_true"]
     episode["answers"][4] = _answer("Here: cup, mug. I see mug 4 here.", "look")
     assert transcript_counts([episode], thinking="task-list-act-here")["listing_right"]["rounds"] == 1
+    # the first listing said is the one read (as demo_fit reads it): a right one after a wrong one does not count
+    episode["answers"][4] = _answer("Here: mug. Here: cup. I see mug 4 here.", "look")
+    assert transcript_counts([episode], thinking="task-list-act-here")["listing_right"]["rounds"] == 1

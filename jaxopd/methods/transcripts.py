@@ -13,9 +13,9 @@ ending on a command ("I can ..."), those whose action is it; of those saying a c
 fridge."), those whose verb and tool are the task's. And whether the thinking read the observation it answered
 (stop 43): of the rounds whose thinking names an object in view, those where that observation names it
 (``named_true``); of the rounds answering an arrival or an opening whose rule's thinking copies the listed classes
-(``sft_data.listing_sentence``, the ``task-list-*`` and ``task-tool-*`` rules), those whose thinking holds that very
-sentence (``listing_right``). Everything is read
-from text the agent was shown; the goal comes from the record's instruction, or from the task id
+(``sft_data.listing_sentence``, the ``task-list-*`` and ``task-tool-*`` rules), those whose thinking's first
+listing is that very sentence (``listing_right``, read by ``sft_data.listing_said`` as ``demo_fit`` reads it).
+Everything is read from text the agent was shown; the goal comes from the record's instruction, or from the task id
 (``envs.alfworld_state.goal_of_task_id``) in records written before they kept it (``task-plan-here`` fidelity needs
 the instruction).
 """
@@ -26,7 +26,8 @@ from typing import Any, Mapping, Sequence
 from envs.alfworld_state import (Goal, goal_of_task_id, objects_in_view, parse_goal, task_state,
                                   without_restated_instruction)
 from envs.alfworld import REFUSED_FEEDBACK
-from jaxopd.methods.sft_data import THINKING_RULES, change_said, command_said, listing_sentence, named_in_view
+from jaxopd.methods.sft_data import (THINKING_RULES, change_said, command_said, listing_said, listing_sentence,
+                                     named_in_view)
 from jaxopd.rollout.tags import THINK_END, THINK_START
 
 __all__ = ["REFUSED", "thinking_of", "episode_progress", "transcript_counts"]
@@ -122,7 +123,7 @@ def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = 
                 agreements["named_true"][1] += 1
             listing = listing_sentence(states[t].listed) if states[t].listed is not None else None
             if listing is not None and listing in ruled:
-                agreements["listing_right"][0] += listing in thought
+                agreements["listing_right"][0] += listing_said(thought) == listing
                 agreements["listing_right"][1] += 1
         for stage, reached in episode_progress(episode).items():
             if reached is not None:
