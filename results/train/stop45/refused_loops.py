@@ -16,7 +16,7 @@ def refused_runs(actions, feedback):
     """Lengths of the maximal runs of one action repeated, every repeat refused (a run of 1 is a lone refusal)."""
     runs, run = [], 0
     for index, (action, answer) in enumerate(zip(actions, feedback)):
-        if answer != REFUSED_FEEDBACK:
+        if answer.strip() != REFUSED_FEEDBACK:        # as jaxopd.methods.transcripts compares it
             if run:
                 runs.append(run)
             run = 0
