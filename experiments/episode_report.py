@@ -58,12 +58,16 @@ def _of(count: Mapping[str, Any]) -> str:
     return f"{count['rounds']}/{count['of']}"
 
 
+def _stuck(stuck: Mapping[str, Any]) -> str:
+    return f"{stuck['episodes']}/{stuck['of']} ({stuck['rounds']} rounds)"
+
+
 def markdown(rows: Mapping[str, Mapping[str, Any]], thinking: str) -> str:
     head = ("| evaluation | episodes | held a goal object | changed it | put one in place | won | moves refused | "
             f"repeats | refused, given again | thinking = {thinking} rule | thinking names goal | named in view, "
             "taken | command said, "
-            "done | change said, right | named in view, truly | listing copied |")
-    lines = [head, "|" + "---|" * 16]
+            "done | change said, right | named in view, truly | listing copied | stuck on a refused command |")
+    lines = [head, "|" + "---|" * 17]
     for label, row in rows.items():
         funnel = row["funnel"]
         cells = [f"{funnel[s]['episodes']}/{funnel[s]['of']}" for s in STAGES]
@@ -72,7 +76,7 @@ def markdown(rows: Mapping[str, Mapping[str, Any]], thinking: str) -> str:
                      f"{_pct(row['thinking_names_goal'])} | "
                      + " | ".join(_of(row[name]) for name in ("named_taken", "command_followed", "change_right",
                                                               "named_true", "listing_right"))
-                     + " |")
+                     + f" | {_stuck(row['stuck'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -67,6 +67,35 @@ def test_episode_progress():
     assert episode_progress(partial) == {"held": True, "changed": False, "placed": False, "won": False}
 
 
+def test_refused_runs_by_hand():
+    from jaxopd.methods.transcripts import refused_runs
+    no, ok = "Nothing happens.", "You arrive at shelf 1. On the shelf 1, you see nothing."
+    assert refused_runs([], []) == []
+    assert refused_runs(["look"], [ok]) == []
+    # a lone refusal; then "go to shelf 2" refused three times, the third answer padded as the engine pads it
+    assert refused_runs(["open drawer 1", "go to shelf 1", "go to shelf 2", "go to shelf 2", "go to shelf 2"],
+                        [no, ok, no, no, no + "\n"]) == [1, 3]
+    # another refused command starts a new run; a command carried out ends one, and the same command after it
+    # starts again from 1
+    assert refused_runs(["go to shelf 2", "go to shelf 2", "go to shelf 3", "go to shelf 1", "go to shelf 3"],
+                        [no, no, no, ok, no]) == [2, 1, 1]
+
+
+def test_stuck_episodes_by_hand():
+    from jaxopd.methods.transcripts import STUCK_RUN, transcript_counts
+    no = "Nothing happens."
+    stuck = _look_episode()       # 2 refused "go to drawer 1", then STUCK_RUN refused "go to shelf 9", then look
+    stuck["actions"] = stuck["actions"][:2] + ["go to shelf 9"] * STUCK_RUN + ["look"]
+    stuck["feedback"] = stuck["feedback"][:2] + [no] * STUCK_RUN + ["You are in the middle of a room."]
+    stuck["answers"] = stuck["answers"][:2] + [_answer("I need a cd.", "go to shelf 9")] * STUCK_RUN + ["look"]
+    short = _look_episode()       # one run one short of stuck
+    short["actions"] = ["go to shelf 9"] * (STUCK_RUN - 1)
+    short["feedback"] = [no] * (STUCK_RUN - 1)
+    short["answers"] = [_answer("I need a cd.", "go to shelf 9")] * (STUCK_RUN - 1)
+    counts = transcript_counts([_cool_episode(), stuck, short], thinking="plan")
+    assert counts["stuck"] == {"episodes": 1, "of": 3, "rounds": STUCK_RUN, "run": STUCK_RUN}
+
+
 def test_transcript_counts_by_hand():
     from jaxopd.methods.transcripts import transcript_counts
     counts = transcript_counts([_cool_episode(), _look_episode()], thinking="plan")
@@ -80,6 +109,7 @@ def test_transcript_counts_by_hand():
     assert counts["thinking_faithful"] == pytest.approx(5 / 8)
     assert counts["thinking_names_goal"] == pytest.approx(6 / 8)     # "mug" 5 times, "cd" once
     assert counts["no_thinking"] == pytest.approx(1 / 8)
+    assert counts["stuck"] == {"episodes": 0, "of": 2, "rounds": 0, "run": 5}    # the look episode's run is 2
     assert counts["funnel"] == {"held": {"episodes": 1, "of": 2, "share": 0.5},
                                 "changed": {"episodes": 1, "of": 1, "share": 1.0},
                                 "placed": {"episodes": 1, "of": 1, "share": 1.0},
@@ -113,6 +143,7 @@ def test_episode_report_cli(tmp_path, capsys):
     assert report["evaluations"]["two"]["refused"] == pytest.approx(2 / 3)
     table = (out / "transcripts.md").read_text()
     assert "| one | 2 | 1/2 | 1/1 | 1/1 | 1/2 | 37.5 % | 12.5 % | 1/3 | 62.5 % | 75.0 % |" in table
+    assert table.splitlines()[2].endswith(" | 0/2 (0 rounds) |")     # the stuck column: no run of 5 refused
     assert (out / "funnel.png").stat().st_size > 0
     capsys.readouterr()
     assert main(["--eval", "x", "--out", str(out)]) == 2

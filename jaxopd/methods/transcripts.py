@@ -4,7 +4,9 @@ Owns :func:`transcript_counts`, read from the episode records ``experiments.eval
 executed actions, the engine's answers, the model's raw answers, won): the *progress funnel* (episodes that ever
 held a goal object, that cleaned / heated / cooled it where the task asks, that put one in the goal receptacle,
 that won), the share of moves the engine refused (``Nothing happens.``) and of actions repeating the previous one,
-of the rounds right after a refused command those that give it again (``refusal_repeated``),
+of the rounds right after a refused command those that give it again (``refusal_repeated``), the episodes
+*stuck* on one refused command (a run of at least ``STUCK_RUN`` identical actions in a row, each refused; stop 45)
+and the rounds spent in such runs,
 and the *thinking fidelity*: the share of rounds whose thinking is exactly what the SFT demonstrations would have
 thought in that state (``jaxopd.methods.sft_data.THINKING_RULES`` for the state the agent's own
 history shows), the share that names the goal object (beyond a restated instruction), and whether the action does
@@ -30,10 +32,14 @@ from jaxopd.methods.sft_data import (THINKING_RULES, change_said, command_said, 
                                      named_in_view)
 from jaxopd.rollout.tags import THINK_END, THINK_START
 
-__all__ = ["REFUSED", "thinking_of", "episode_progress", "transcript_counts"]
+__all__ = ["REFUSED", "STUCK_RUN", "thinking_of", "refused_runs", "episode_progress", "transcript_counts"]
 
 REFUSED = REFUSED_FEEDBACK
 """The engine's answer to a command it does not execute (``envs.alfworld.REFUSED_FEEDBACK``)."""
+
+STUCK_RUN = 5
+"""An episode is *stuck* when it gives one refused command this many times in a row (stop 45: the one-sft
+teacher's 61 such runs at step 2,400 were all ``go to`` a receptacle, 59 of them one the room does not have)."""
 
 
 def thinking_of(answer: str) -> str | None:
@@ -45,6 +51,26 @@ def thinking_of(answer: str) -> str | None:
     if end < 0:
         return None
     return answer[start + len(THINK_START):end].strip()
+
+
+def refused_runs(actions: Sequence[str], feedback: Sequence[str]) -> list[int]:
+    """Lengths of the maximal runs of one action given again and again, every time refused, in order (a lone
+    refusal is a run of 1; an action that is carried out ends the run)."""
+    runs, run = [], 0
+    for index, (action, answer) in enumerate(zip(actions, feedback)):
+        if answer.strip() != REFUSED:
+            if run:
+                runs.append(run)
+            run = 0
+        elif run and action == actions[index - 1]:
+            run += 1
+        else:
+            if run:
+                runs.append(run)
+            run = 1
+    if run:
+        runs.append(run)
+    return runs
 
 
 def _goal(episode: Mapping[str, Any]) -> Goal:
@@ -88,13 +114,16 @@ def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = 
     if not episodes:
         raise ValueError("no episodes to count")
     rule = THINKING_RULES[thinking]
-    rounds = refused = repeated = faithful = names_goal = no_thinking = 0
+    rounds = refused = repeated = faithful = names_goal = no_thinking = stuck = stuck_rounds = 0
     agreements = {name: [0, 0] for name in ("named_taken", "command_followed", "change_right", "refusal_repeated",
                                             "named_true", "listing_right")}
     stages = {stage: [0, 0] for stage in ("held", "changed", "placed", "won")}
     for episode in episodes:
         goal, states = _states(episode)
         actions, feedback, answers = episode["actions"], episode["feedback"], episode["answers"]
+        long_runs = [run for run in refused_runs(actions, feedback) if run >= STUCK_RUN]
+        stuck += bool(long_runs)
+        stuck_rounds += sum(long_runs)
         for t, answer in enumerate(answers[:len(actions)]):
             rounds += 1
             refused += feedback[t].strip() == REFUSED
@@ -133,6 +162,7 @@ def transcript_counts(episodes: Sequence[Mapping[str, Any]], *, thinking: str = 
             "refused": _share(refused, rounds), "repeated": _share(repeated, rounds),
             "thinking_faithful": _share(faithful, rounds), "thinking_names_goal": _share(names_goal, rounds),
             "no_thinking": _share(no_thinking, rounds),
+            "stuck": {"episodes": stuck, "of": len(episodes), "rounds": stuck_rounds, "run": STUCK_RUN},
             **{name: {"rounds": agreed, "of": total, "share": _share(agreed, total)}
                for name, (agreed, total) in agreements.items()},
             "funnel": {stage: {"episodes": reached, "of": total, "share": _share(reached, total)}

@@ -9,26 +9,7 @@ import argparse
 import json
 import os
 
-from envs.alfworld import REFUSED_FEEDBACK
-
-
-def refused_runs(actions, feedback):
-    """Lengths of the maximal runs of one action repeated, every repeat refused (a run of 1 is a lone refusal)."""
-    runs, run = [], 0
-    for index, (action, answer) in enumerate(zip(actions, feedback)):
-        if answer.strip() != REFUSED_FEEDBACK:        # as jaxopd.methods.transcripts compares it
-            if run:
-                runs.append(run)
-            run = 0
-        elif run and action == actions[index - 1]:
-            run += 1
-        else:
-            if run:
-                runs.append(run)
-            run = 1
-    if run:
-        runs.append(run)
-    return runs
+from jaxopd.methods.transcripts import refused_runs      # moved there in stop 46
 
 
 def main():
