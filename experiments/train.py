@@ -40,7 +40,7 @@ FLAG_FIELDS = ("benchmark", "games", "generated_train_games", "student", "teache
                "total_tokens", "second_stage_tokens", "fast_action_tokens", "temperature", "eval_split",
                "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "sft_demonstrations",
                "sft_context_weight", "sft_thinking", "sft_renamed_copies", "sft_take_copies", "sft_arrival_copies",
-               "sft_change_copies", "sft_refused_copies", "sft_missing_copies", "lr_schedule",
+               "sft_change_copies", "sft_refused_copies", "sft_missing_copies", "sft_fast_copies", "lr_schedule",
                "sft_group_by_length", "sft_action_weight", "sft_action_format", "max_supervised_tokens")
 
 
@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SFT (ALFWorld): then K more renamed copies of the turns after a refused go to a receptacle "
                         "the room does not have (one past the last of the class the agent stands at), with the same "
                         "demonstrated action; default 0")
+    p.add_argument("--sft-fast-copies", type=int, default=None, metavar="K",
+                   help="SFT (ALFWorld): then K more renamed copies of every turn as ActFirst-OPD's fast action "
+                        "requests (next-action and inverse-dynamics prompts, answered by the action tag alone), so "
+                        "that a student made by SFT can act in ActFirst's rollouts; default 0")
     p.add_argument("--sft-group-by-length", type=int, default=None, metavar="W",
                    help="SFT: batches of samples of similar length (less padding, faster steps): each window of W "
                         "batches of the epoch's shuffled order is sorted by length, cut, and its batches shuffled; "

@@ -265,6 +265,53 @@ def test_missing_copies_add_the_turns_after_a_go_to_a_missing_receptacle(source)
         build_config("sft", preset="cpu", benchmark="scienceworld", sft_missing_copies=1)
 
 
+def test_fast_copies_add_every_turn_as_actfirst_fast_requests(source):
+    """``sft_fast_copies=1``: after the corpus, every turn once as a next-action request and once as an
+    inverse-dynamics request (one renaming for both), each prompt of that mode closed by the empty think block and
+    answered by the action tag alone; an inverse-dynamics prompt shows as its target the observation the engine
+    answers the demonstrated action with."""
+    from jaxopd.methods.sft import sft_corpus
+    from jaxopd.methods.sft_data import walkthrough_samples, walkthrough_turns
+
+    tokenizer = Qwen3Tokenizer()
+    base = sft_corpus(build_config("sft", preset="cpu", sft_thinking="task-tool-act-here"), source, tokenizer,
+                      progress=False)
+    more = sft_corpus(build_config("sft", preset="cpu", sft_thinking="task-tool-act-here", sft_fast_copies=1),
+                      source, tokenizer, progress=False)
+    turns = len([t for r in base.references.values() for t in walkthrough_turns(r)])
+    assert more.stats.skipped == base.stats.skipped == 0
+    assert len(more.samples) == len(base.samples) + 2 * turns
+    assert [s.tokens.tolist() for s in more.samples[:len(base.samples)]] == [s.tokens.tolist() for s in base.samples]
+    fast = more.samples[len(base.samples):]
+    for index, sample in enumerate(fast):
+        mask = np.asarray(sample.loss_mask)
+        start = int(np.argmax(mask))
+        assert mask[start:].all() and not mask[:start].any()
+        prompt = tokenizer.decode(sample.tokens[:start].tolist())
+        answer = tokenizer.decode(sample.tokens[start:].tolist())
+        assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        assert answer.startswith("<action>") and answer.endswith("</action><|im_end|>")
+        action = answer[len("<action>"):-len("</action><|im_end|>")]
+        assert f"\n{action}\n" in prompt            # one of the state's admissible actions (renamed as the prompt)
+        assert ("Target next observation" in prompt) == (index >= turns)
+        assert "Respond with only that action" in prompt and "<think>\n\n</think>" not in answer
+    # the inverse-dynamics target is the engine's answer to the demonstrated action (unrenamed references here)
+    reference = next(iter(base.references.values()))
+    samples, stats = walkthrough_samples([reference], tokenizer, max_prompt_tokens=1024, mode="inverse_dynamics")
+    assert stats.samples == len(reference.actions) == len(samples)
+    with source.env_factory() as env:
+        env.reset(next(t for t in base.tasks if t.task_id == reference.task_id))
+        for sample, action in zip(samples, reference.actions):
+            text = tokenizer.decode(sample.tokens.tolist())
+            target = text[text.index("Target next observation"):]
+            assert env.step(action).text in target[:target.index("Now it is your turn")]
+            assert text.endswith(f"<action>{action}</action><|im_end|>")
+    with pytest.raises(ValueError, match="unknown SFT sample mode 'draft'"):
+        walkthrough_samples([reference], tokenizer, max_prompt_tokens=1024, mode="draft")
+    with pytest.raises(ValueError, match="sft_fast_copies 0"):
+        build_config("sft", preset="cpu", benchmark="scienceworld", sft_fast_copies=1)
+    with pytest.raises(ValueError, match="non-negative"):
+        build_config("sft", preset="cpu", sft_fast_copies=-1)
 @pytest.mark.slow
 def test_export_at_writes_the_model_of_an_earlier_step_under_a_cosine_schedule(source, tmp_path):
     """``--export-at 1 DIR``: the step-1 model of the run (the weaker student), besides the final ``--export``;

@@ -135,6 +135,7 @@ class RunConfig:
     sft_change_copies: int = 0               # ... and of the turns holding the goal object still to change
     sft_refused_copies: int = 0              # ... and of the turns after one refused command (sft_data.refused_turn)
     sft_missing_copies: int = 0              # ... and after a go to a missing receptacle (sft_data.missing_turn)
+    sft_fast_copies: int = 0                 # ... and of every turn as ActFirst's fast requests (sft_data.FAST_MODES)
     lr_schedule: str = "constant"            # SFT only: "cosine" warms up over 5 % of the steps, then decays to 10 %
     sft_group_by_length: int = 0             # SFT only: batches of similar length, windows of this many (SFTDataset)
     sft_action_weight: float = 1.0           # SFT only: loss weight of the action tag's tokens (thinking: 1)
@@ -172,7 +173,7 @@ class RunConfig:
             raise ValueError("sft_group_by_length orders SFT's batches; a distillation method trains on the batches "
                              "its rollouts give")
         for name in ("sft_renamed_copies", "sft_take_copies", "sft_arrival_copies", "sft_change_copies",
-                     "sft_refused_copies", "sft_missing_copies"):
+                     "sft_refused_copies", "sft_missing_copies", "sft_fast_copies"):
             if getattr(self, name) and self.benchmark != "alfworld":
                 raise ValueError(f"renamed demonstration copies rename ALFWorld's classes; ScienceWorld SFT has none "
                                  f"({name} 0)")
@@ -204,7 +205,7 @@ class RunConfig:
                 raise ValueError(f"RunConfig.{name} must be a positive integer or None, got {value!r}")
         for name in ("max_version_lag", "eval_every", "second_stage_tokens", "top_k", "sft_renamed_copies",
                      "sft_take_copies", "sft_arrival_copies", "sft_change_copies", "sft_refused_copies",
-                     "sft_missing_copies", "sft_group_by_length"):
+                     "sft_missing_copies", "sft_fast_copies", "sft_group_by_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"RunConfig.{name} must be a non-negative integer, got {value!r}")

@@ -28,7 +28,8 @@ from jaxopd.methods.benchmarks import TRAIN_SPLIT, BenchmarkSource, references_f
 from jaxopd.methods.config import SFT_DEMONSTRATIONS, RunConfig
 from jaxopd.methods.loop import batch_length
 from jaxopd.methods.metrics_log import MetricsWriter
-from jaxopd.methods.sft_data import FOCUS_TURNS, REWRITTEN_TURNS, SFTDataset, WalkthroughStats, walkthrough_samples
+from jaxopd.methods.sft_data import (FAST_MODES, FOCUS_TURNS, REWRITTEN_TURNS, SFTDataset, WalkthroughStats,
+                                     walkthrough_samples)
 from jaxopd.models.qwen3 import Qwen3
 from jaxopd.train.buffer import Sample, collate_samples
 from jaxopd.train.checkpoint import TrainCheckpointer
@@ -63,8 +64,10 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
     still to clean, heat or cool (``FOCUS_TURNS["change"]``); then ``sft_refused_copies`` renamed copies of the turns
     after one more, refused, command (``sft_data.refused_turn``: the same step after "Nothing happens."), and
     ``sft_missing_copies`` of the turns after a refused ``go to`` a receptacle the room lacks
-    (``sft_data.missing_turn``); ``sft_action_weight`` weights every sample's action tag against its thinking, and
-    ``sft_action_format`` writes it (``rollout.tags.ACTION_FORMATS``). Raises
+    (``sft_data.missing_turn``); then ``sft_fast_copies`` renamed copies of every turn in each of ActFirst-OPD's
+    fast action modes (``sft_data.FAST_MODES``: next-action and inverse-dynamics prompts answered by the action tag
+    alone), which a student must serve for ActFirst's rollouts to act; ``sft_action_weight`` weights every sample's
+    action tag against its thinking, and ``sft_action_format`` writes it (``rollout.tags.ACTION_FORMATS``). Raises
     ``ValueError`` when no demonstration succeeded."""
     tasks = subset(source.tasks(TRAIN_SPLIT[config.benchmark]), config.train_tasks, seed=config.seed)
     kind = SFT_DEMONSTRATIONS[config.sft_demonstrations]
@@ -98,6 +101,14 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
                                                    benchmark=config.benchmark, thinking=config.sft_thinking,
                                                    action_weight=config.sft_action_weight,
                                                    action_format=config.sft_action_format, **selection)
+            samples += more
+            stats = stats.merged(more_stats)
+    for _ in range(config.sft_fast_copies):
+        copy += 1
+        for mode in FAST_MODES:                          # the same renaming for both modes of a copy
+            more, more_stats = walkthrough_samples(renamed(copy), tokenizer, max_prompt_tokens=config.max_prompt_tokens,
+                                                   benchmark=config.benchmark, action_weight=config.sft_action_weight,
+                                                   mode=mode)
             samples += more
             stats = stats.merged(more_stats)
     return SFTCorpus(samples, stats, list(tasks), references, failures)

@@ -35,7 +35,8 @@ from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, executed_acti
 from jaxopd.rollout.tags import ACTION_END, ACTION_FORMATS, ACTION_START, THINK_END, THINK_START
 from jaxopd.train.buffer import Sample
 
-__all__ = ["SFT_MODE", "response_text", "state_thinking", "state_text", "plan_text", "plan_here_text",
+__all__ = ["SFT_MODE", "FAST_MODES", "fast_action_text",
+           "response_text", "state_thinking", "state_text", "plan_text", "plan_here_text",
            "task_plan_here_text", "task_list_plan_here_text", "listing_sentence", "task_list_act_here_text",
            "tool_sentence", "tool_said", "task_tool_act_here_text",
            "refused_sentence", "task_tool_refused_act_here_text", "refused_turn", "missing_receptacle",
@@ -46,6 +47,11 @@ __all__ = ["SFT_MODE", "response_text", "state_thinking", "state_text", "plan_te
 SFT_MODE = "full"
 """The generation mode whose prompts SFT trains on: the full think-then-act mode of the rollouts, whose
 prompt ends at the open assistant turn (thinking on), so the response starts with ``<think>``."""
+
+FAST_MODES = ("next_action", "inverse_dynamics")
+"""The action-only generation modes of ActFirst-OPD's fast requests (``rollout.prompts.GENERATION_MODES``), which
+``RunConfig.sft_fast_copies`` demonstrates too: a student fine-tuned on full answers alone never learned them
+(results/train stop 46)."""
 
 
 def response_text(action: str, thinking: str = "", action_format: str = "tight") -> str:
@@ -74,6 +80,18 @@ def response_text(action: str, thinking: str = "", action_format: str = "tight")
     thought = f"\n{thinking}\n" if thinking else "\n\n"
     spaced = action_format == "spaced" or (action_format == "said" and command_said(thinking) == action)
     return f"{THINK_START}{thought}{THINK_END}\n\n{ACTION_START}{' ' if spaced else ''}{action}{ACTION_END}"
+
+
+def fast_action_text(action: str) -> str:
+    """The answer to a fast action request: the action tag alone, ``<action>{action}</action>`` (the fast modes'
+    prompt example; the chat template has already closed the empty think block). The end-of-turn token follows it
+    in a sample's ids."""
+    if not isinstance(action, str) or not action.strip() or action != action.strip():
+        raise ValueError(f"the action must be a non-empty str without surrounding whitespace, got {action!r}")
+    for tag in (THINK_START, THINK_END, ACTION_START, ACTION_END):
+        if tag in action:
+            raise ValueError(f"the action {action!r} contains the tag {tag!r}")
+    return f"{ACTION_START}{action}{ACTION_END}"
 
 
 def state_thinking(inputs: PromptInputs) -> str:
@@ -591,7 +609,7 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
                         *, max_prompt_tokens: int, benchmark: str = "alfworld", thinking: str = "none",
                         keep: Callable[[WalkthroughTurn], bool] | None = None,
                         rewrite: Callable[[WalkthroughTurn], WalkthroughTurn | None] | None = None,
-                        action_weight: float = 1.0, action_format: str = "tight"
+                        action_weight: float = 1.0, action_format: str = "tight", mode: str = SFT_MODE
                         ) -> tuple[list[Sample], WalkthroughStats]:
     """Every walkthrough turn of ``references`` as an SFT sample, and the counts.
 
@@ -610,7 +628,15 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
     the action tag and the end-of-turn token (:func:`action_token_start` on), 1 on the thinking block
     (``RunConfig.sft_action_weight``). ``action_format``: how the action tag is written (:func:`response_text`,
     ``RunConfig.sft_action_format``).
+
+    ``mode`` (``FAST_MODES``): the turns as ActFirst-OPD's fast action requests instead, prompts of that mode
+    (the chat template's empty think block closes them) answered by the action tag alone, ``<action>{action}</action>``
+    and the end-of-turn token; ``inverse_dynamics`` prompts also show the reference's next observation o_{t+1}, here
+    the demonstration's own (``ReferenceTrajectory.next_observation``). ``thinking`` and ``action_format`` do not
+    apply to them (``RunConfig.sft_fast_copies``).
     """
+    if mode != SFT_MODE and mode not in FAST_MODES:
+        raise ValueError(f"unknown SFT sample mode {mode!r}; expected {SFT_MODE!r} or one of {FAST_MODES}")
     if action_format not in ACTION_FORMATS:
         raise ValueError(f"unknown action format {action_format!r}; expected one of {ACTION_FORMATS}")
     if not (isinstance(action_weight, (int, float)) and not isinstance(action_weight, bool)
@@ -631,13 +657,22 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
                 if turn is None:
                     continue
             stats.turns += 1
+            inputs = turn.inputs
+            if mode == "inverse_dynamics":
+                following = reference.next_observation(turn.turn)
+                if following is None:            # a reference without the outcome of its last action
+                    stats.skipped += 1
+                    continue
+                inputs = dataclasses.replace(inputs, reference_next_observation=following)
             try:
-                prompt = render_prompt(tokenizer, SFT_MODE, turn.inputs, max_prompt_tokens)
+                prompt = render_prompt(tokenizer, mode, inputs, max_prompt_tokens)
             except PromptOverBudget:
                 stats.skipped += 1
                 continue
-            thought = thinking_text(turn.inputs, thinking)
-            answer = response_text(turn.action, thought, action_format)
+            if mode == SFT_MODE:
+                answer = response_text(turn.action, thinking_text(turn.inputs, thinking), action_format)
+            else:
+                answer = fast_action_text(turn.action)
             response = list(tokenizer.encode(answer)) + [end_of_turn]
             prompt_ids = list(prompt.token_ids)
             length = len(prompt_ids) + len(response)
