@@ -1,0 +1,35 @@
+"""Where the executed actions of ActFirst-OPD runs came from (stop 46): per run, the mean over its updates of the
+share of executed actions that were reference-conditioned inverse-dynamics proposals or autonomous next-action
+predictions (``action_source_*``), of the rollout episodes won, and of moves repeating the last, read from the
+``train.jsonl`` that ``experiments.train`` writes.
+
+    python results/train/stop46/actfirst_sources.py $(find results/train runs/opd46 -path '*actfirst*' -name train.jsonl | sort)
+"""
+import json
+import sys
+
+
+def mean(rows, key):
+    values = [row[key] for row in rows if row.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def cell(value, scale=100.0):
+    return "—" if value is None else f"{scale * value:.1f} %"
+
+
+def main(paths):
+    print("| run (train.jsonl) | updates | inverse dynamics executed | next-action prediction executed | rollout episodes "
+          "won | moves repeating the last |")
+    print("|---|---|---|---|---|---|")
+    for path in paths:
+        with open(path) as handle:
+            rows = [json.loads(line) for line in handle if '"kind": "train"' in line]
+        repeat = mean(rows, "rollout_repeat_percent")
+        print(f"| {path} | {len(rows)} | {cell(mean(rows, 'action_source_inverse_dynamics'))} | "
+              f"{cell(mean(rows, 'action_source_next_action'))} | {cell(mean(rows, 'rollout_success_rate'))} | "
+              f"{cell(repeat, 1.0)} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
