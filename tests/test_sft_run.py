@@ -312,6 +312,8 @@ def test_fast_copies_add_every_turn_as_actfirst_fast_requests(source):
         build_config("sft", preset="cpu", benchmark="scienceworld", sft_fast_copies=1)
     with pytest.raises(ValueError, match="non-negative"):
         build_config("sft", preset="cpu", sft_fast_copies=-1)
+
+
 @pytest.mark.slow
 def test_export_at_writes_the_model_of_an_earlier_step_under_a_cosine_schedule(source, tmp_path):
     """``--export-at 1 DIR``: the step-1 model of the run (the weaker student), besides the final ``--export``;

@@ -66,15 +66,10 @@ def response_text(action: str, thinking: str = "", action_format: str = "tight")
     """
     if action_format not in ACTION_FORMATS:
         raise ValueError(f"unknown action format {action_format!r}; expected one of {ACTION_FORMATS}")
-    if not isinstance(action, str):
-        raise ValueError(f"response_text expects a str action, got {type(action).__name__}")
-    if not action.strip() or action != action.strip():
-        raise ValueError(f"the action must be non-empty and carry no surrounding whitespace, got {action!r}")
+    _check_action(action, "response_text")
     if not isinstance(thinking, str) or thinking != thinking.strip():
         raise ValueError(f"thinking must be a str without surrounding whitespace, got {thinking!r}")
     for tag in (THINK_START, THINK_END, ACTION_START, ACTION_END):
-        if tag in action:
-            raise ValueError(f"the action {action!r} contains the tag {tag!r}")
         if tag in thinking:
             raise ValueError(f"the thinking {thinking!r} contains the tag {tag!r}")
     thought = f"\n{thinking}\n" if thinking else "\n\n"
@@ -86,12 +81,19 @@ def fast_action_text(action: str) -> str:
     """The answer to a fast action request: the action tag alone, ``<action>{action}</action>`` (the fast modes'
     prompt example; the chat template has already closed the empty think block). The end-of-turn token follows it
     in a sample's ids."""
-    if not isinstance(action, str) or not action.strip() or action != action.strip():
-        raise ValueError(f"the action must be a non-empty str without surrounding whitespace, got {action!r}")
+    _check_action(action, "fast_action_text")
+    return f"{ACTION_START}{action}{ACTION_END}"
+
+
+def _check_action(action: str, caller: str) -> None:
+    """ValueError unless ``action`` is a non-empty str without surrounding whitespace and without any tag."""
+    if not isinstance(action, str):
+        raise ValueError(f"{caller} expects a str action, got {type(action).__name__}")
+    if not action.strip() or action != action.strip():
+        raise ValueError(f"the action must be non-empty and carry no surrounding whitespace, got {action!r}")
     for tag in (THINK_START, THINK_END, ACTION_START, ACTION_END):
         if tag in action:
             raise ValueError(f"the action {action!r} contains the tag {tag!r}")
-    return f"{ACTION_START}{action}{ACTION_END}"
 
 
 def state_thinking(inputs: PromptInputs) -> str:

@@ -56,20 +56,16 @@ def thinking_of(answer: str) -> str | None:
 def refused_runs(actions: Sequence[str], feedback: Sequence[str]) -> list[int]:
     """Lengths of the maximal runs of one action given again and again, every time refused, in order (a lone
     refusal is a run of 1; an action that is carried out ends the run)."""
-    runs, run = [], 0
-    for index, (action, answer) in enumerate(zip(actions, feedback)):
+    runs: list[int] = []
+    previous = None                      # the last round's action while it was refused, else None
+    for action, answer in zip(actions, feedback):
         if answer.strip() != REFUSED:
-            if run:
-                runs.append(run)
-            run = 0
-        elif run and action == actions[index - 1]:
-            run += 1
+            previous = None
+        elif action == previous:
+            runs[-1] += 1
         else:
-            if run:
-                runs.append(run)
-            run = 1
-    if run:
-        runs.append(run)
+            runs.append(1)
+            previous = action
     return runs
 
 
