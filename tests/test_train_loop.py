@@ -217,3 +217,40 @@ def test_teacher_with_another_vocabulary_is_refused(source, tokenizer, tmp_path)
     with pytest.raises(ValueError, match="vocabulary"):
         Trainer(config, student=Qwen3(MICRO, rngs=nnx.Rngs(0)), teacher=other, tokenizer=tokenizer, source=source,
                 out_dir=tmp_path)
+
+
+def test_rollout_stats_count_actfirst_guidance_by_hand():
+    """Per-update rollout metrics on hand-built trajectories: the action sources over all turns, and ActFirst's
+    guided turns with the share whose inverse-dynamics proposal was invalid and whose transition check failed."""
+    from envs.base import Observation, Task
+    from envs.checks import TransitionCheck
+    from jaxopd.rollout.trajectory import Trajectory, Turn
+
+    task = Task(benchmark="alfworld", split="train", task_id="alfworld/train/pick-1", task_type="pick")
+
+    def obs(turn):
+        return Observation(text=f"o{turn}", instruction="Put a mug in the sink.", admissible_actions=("look",),
+                           turn=turn)
+
+    def turn(index, source, *, guided=False, ok=None, info=None):
+        check = None if ok is None else TransitionCheck(ok=ok, reasons=() if ok else ("differs",))
+        return Turn(index=index, observation=obs(index - 1), action="look", next_observation=obs(index),
+                    action_source=source, guided=guided, check=check, info=info or {})
+
+    def trajectory(*turns):
+        return Trajectory(task=task, strategy="actfirst", initial_observation=obs(0), turns=turns,
+                          end_reason="max_turns")
+
+    guided = trajectory(turn(1, "inverse_dynamics", guided=True, ok=True),
+                        turn(2, "next_action", guided=True, ok=False, info={"invalid_proposal": "go to moon 1"}),
+                        turn(3, "next_action"))
+    unguided = trajectory(turn(1, "next_action"), turn(2, "next_action"))
+    stats = Trainer._rollout_stats([guided, unguided])
+    assert stats["rollout_episodes"] == 2 and stats["rollout_mean_turns"] == 2.5
+    assert stats["action_source_inverse_dynamics"] == pytest.approx(1 / 5)
+    assert stats["action_source_next_action"] == pytest.approx(4 / 5)
+    assert stats["guided_turn_fraction"] == pytest.approx(2 / 5)
+    assert stats["guided_invalid_proposal_fraction"] == pytest.approx(1 / 2)
+    assert stats["guided_check_failed_fraction"] == pytest.approx(1 / 2)
+    plain = Trainer._rollout_stats([unguided])         # no guided turn: no guidance metrics
+    assert plain["action_source_next_action"] == 1.0 and not any(k.startswith("guided_") for k in plain)

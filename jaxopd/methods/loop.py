@@ -550,6 +550,12 @@ class Trainer:
         stats.update({f"rollout_{name}": float(value) for name, value in dataclasses.asdict(quality).items()
                       if isinstance(value, (int, float)) and not isinstance(value, bool)})
         stats.update({f"action_source_{name}": count / turns for name, count in sorted(sources.items())})
+        guided = [turn for trajectory in trajectories for turn in trajectory.turns if turn.guided]
+        if guided:                                       # ActFirst-OPD's reference guidance (App. B.5)
+            stats["guided_turn_fraction"] = len(guided) / turns
+            stats["guided_invalid_proposal_fraction"] = float(np.mean(["invalid_proposal" in t.info for t in guided]))
+            stats["guided_check_failed_fraction"] = float(np.mean([t.check is not None and not t.check.ok
+                                                                   for t in guided]))
         return stats
 
     def _has_eval(self, version: int) -> bool:
