@@ -14,6 +14,17 @@ def mean(rows, key):
     return sum(values) / len(values) if values else None
 
 
+def source_share(rows, key):
+    """The share of all executed actions (weighted by each update's executed transitions) that came from ``key``;
+    an update that logged other sources but not this one executed none from it (stop 47: stop 46's first version
+    averaged over the updates that logged ``key`` only, which overstated every share)."""
+    rows = [row for row in rows if any(k.startswith("action_source_") for k in row)]
+    weights = [row.get("rollout_num_transitions", 1.0) for row in rows]
+    if not rows or sum(weights) == 0:
+        return None
+    return sum(w * row.get(key, 0.0) for w, row in zip(weights, rows)) / sum(weights)
+
+
 def cell(value, scale=100.0):
     return "—" if value is None else f"{scale * value:.1f} %"
 
@@ -26,8 +37,8 @@ def main(paths):
         with open(path) as handle:
             rows = [json.loads(line) for line in handle if '"kind": "train"' in line]
         repeat = mean(rows, "rollout_repeat_percent")
-        print(f"| {path} | {len(rows)} | {cell(mean(rows, 'action_source_inverse_dynamics'))} | "
-              f"{cell(mean(rows, 'action_source_next_action'))} | {cell(mean(rows, 'rollout_success_rate'))} | "
+        print(f"| {path} | {len(rows)} | {cell(source_share(rows, 'action_source_inverse_dynamics'))} | "
+              f"{cell(source_share(rows, 'action_source_next_action'))} | {cell(mean(rows, 'rollout_success_rate'))} | "
               f"{cell(repeat, 1.0)} |")
 
 
