@@ -17,7 +17,7 @@ def mean(rows, key):
 def source_share(rows, key):
     """The share of all executed actions (weighted by each update's executed transitions) that came from ``key``;
     an update that logged other sources but not this one executed none from it (stop 47: stop 46's first version
-    averaged over the updates that logged ``key`` only, which overstated every share)."""
+    averaged over the updates that logged ``key`` only, which overstated the share of a source some updates lacked)."""
     rows = [row for row in rows if any(k.startswith("action_source_") for k in row)]
     weights = [row.get("rollout_num_transitions", 1.0) for row in rows]
     if not rows or sum(weights) == 0:

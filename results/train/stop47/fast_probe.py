@@ -43,6 +43,7 @@ def main() -> None:
     from jaxopd.methods.benchmarks import references_for, resolve_source
     from jaxopd.methods.sft_data import walkthrough_turns
     from jaxopd.rollout.prompts import PromptOverBudget, render_prompt
+    from jaxopd.rollout.strategies.base import RolloutStrategy
     from jaxopd.rollout.tags import ACTION_STOP_STRING
     from jaxopd.rollout.trajectory import Response
     from jaxopd.sampler import Engine
@@ -79,7 +80,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 futures = [engine.submit(Request(ids, SamplingParams(
                     max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=1.0, top_k=0,
-                    stop_strings=(ACTION_STOP_STRING,), seed=args.seed + i), kind="fast"))
+                    stop_strings=(ACTION_STOP_STRING,), seed=args.seed + i), kind=RolloutStrategy.FAST_KIND))
                     for i, (_, ids, _, _) in enumerate(prompts)]
                 counts = {mode: {"prompts": 0, "parsed": 0, "valid": 0, "reference": 0} for mode in MODES}
                 misses = {mode: [] for mode in MODES}
