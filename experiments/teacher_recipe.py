@@ -58,8 +58,8 @@ from typing import Callable, Sequence
 from jaxopd.cli import Parser, UsageError, check_out_dir, run_main
 from jaxopd.machine import machine_info, numerics, same_numerics
 
-__all__ = ["Stage", "STAGES", "ONE_SFT", "RECIPES", "recipe_stages", "checkpoint_complete", "stage_done", "run_recipe",
-           "main"]
+__all__ = ["Stage", "STAGES", "ONE_SFT", "ONE_SFT_SUB", "RECIPES", "recipe_stages", "checkpoint_complete",
+           "stage_done", "run_recipe", "main"]
 
 # The searching-expert SFT settings every stage from the act teacher on shares (results/train, stops 30-31).
 _TOOL_SFT = ("--method sft --preset cpu --sft-demonstrations searching-expert --sft-thinking task-tool-act-here "
@@ -169,7 +169,32 @@ ONE_SFT: tuple[Stage, ...] = (
           ("teacher-one-hf", "student-one-hf"), 3914, "stop 42 (one SFT run from the copy warm-up)"),
     _evaluate("evaluate-teacher-one", "teacher-one-hf", "teacher-one-48", 2324, "stop 42", 3 / 144),
 )
-RECIPES: dict[str, tuple[Stage, ...]] = {"chain": STAGES, "one-sft": ONE_SFT}
+
+
+def _sub_segment(steps: int, export: str, measured_s: float, source: str) -> Stage:
+    """One segment of the one-sft run over the corpus's sub-vocabulary: the same run folder resumed to ``steps``
+    (``--steps`` larger than the last segment's: a warm restart of the cosine schedule, as stops 43-45 ran it)."""
+    return Stage(f"sub-sft-{steps}", "experiments.train",
+                 _TOOL_SFT + " --sft-missing-copies 1 --sft-action-format said --sft-group-by-length 32 "
+                 f"--lr-schedule cosine --sub-vocabulary --batch-size 8 --steps {steps} --checkpoint-every 50 "
+                 "--keep-checkpoints 2 --no-eval --no-progress --out {runs}/sft-sub --student {runs}/copy2-hf "
+                 f"--export {{runs}}/{export}",
+                 (export,), measured_s, source)
+
+
+# The one-sft run as stops 42-45 made the 34 % teacher (steps 800, 1,600, 2,400 and 2,800, each segment resuming the
+# last with a larger --steps), over the SFT corpus's sub-vocabulary (--sub-vocabulary, stop 48): the softmax, the
+# embedding and the optimizer state over a few hundred ids instead of 151,936. Step 1,600 is the student of stops
+# 46-47, step 2,800 the teacher; both are evaluated.
+ONE_SFT_SUB: tuple[Stage, ...] = (
+    STAGES[0],
+    STAGES[1],
+    _sub_segment(800, "sub800-hf", 1254, "stop 48"),
+    _sub_segment(1600, "sub1600-hf", 1254, "stop 48 (the student)"),
+    _sub_segment(2400, "sub2400-hf", 1254, "stop 48"),
+    _sub_segment(2800, "sub2800-hf", 627, "stop 48 (the teacher)"),
+)
+RECIPES: dict[str, tuple[Stage, ...]] = {"chain": STAGES, "one-sft": ONE_SFT, "one-sft-sub": ONE_SFT_SUB}
 STAGE_NAMES = tuple(dict.fromkeys(stage.name for stages in RECIPES.values() for stage in stages))
 RECORD = "teacher_recipe.json"
 
@@ -295,7 +320,9 @@ def build_parser() -> Parser:
                         help="the folder every stage reads and writes its checkpoints in (default: runs)")
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="chain",
                         help="chain: the eight runs of the documented teacher and student (about 5.3 h); one-sft: "
-                             "the copy warm-up and one SFT run, which fit a session (about 2.2 h; stop 42)")
+                             "the copy warm-up and one SFT run, which fit a session (about 2.2 h; stop 42); "
+                             "one-sft-sub: the copy warm-up and the one-sft run to 2,800 steps in the segments of "
+                             "stops 42-45, over the corpus's sub-vocabulary (stop 48)")
     parser.add_argument("--until", choices=STAGE_NAMES, default=None,
                         help="stop after this stage of the recipe (default: its last)")
     parser.add_argument("--dry-run", action="store_true", help="print the stages' commands and which are done")

@@ -41,7 +41,8 @@ FLAG_FIELDS = ("benchmark", "games", "generated_train_games", "student", "teache
                "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "sft_demonstrations",
                "sft_context_weight", "sft_thinking", "sft_renamed_copies", "sft_take_copies", "sft_arrival_copies",
                "sft_change_copies", "sft_refused_copies", "sft_missing_copies", "sft_fast_copies", "lr_schedule",
-               "sft_group_by_length", "sft_action_weight", "sft_action_format", "max_supervised_tokens")
+               "sft_group_by_length", "sft_action_weight", "sft_action_format", "max_supervised_tokens",
+               "sub_vocabulary")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SFT (ALFWorld): then K more renamed copies of every turn as ActFirst-OPD's fast action "
                         "requests (next-action and inverse-dynamics prompts, answered by the action tag alone), so "
                         "that a student made by SFT can act in ActFirst's rollouts; default 0")
+    p.add_argument("--sub-vocabulary", action="store_const", const=True, default=None,
+                   help="SFT: cut the model down to the token ids of its corpus (plus the 256 byte tokens and Qwen3's "
+                        "added tokens): a few hundred embedding rows and logits instead of 151,936, so each step is "
+                        "several times cheaper; the exports carry the token map in config.json and every command "
+                        "that loads them (evaluate, train --student/--teacher) uses it")
     p.add_argument("--sft-group-by-length", type=int, default=None, metavar="W",
                    help="SFT: batches of samples of similar length (less padding, faster steps): each window of W "
                         "batches of the epoch's shuffled order is sorted by length, cut, and its batches shuffled; "
@@ -208,6 +214,9 @@ def load_models(config: RunConfig):
         if teacher.config.vocab_size != student.config.vocab_size:
             raise UsageError(f"the teacher's vocabulary ({teacher.config.vocab_size} tokens) differs from the "
                              f"student's ({student.config.vocab_size}); OPD needs one token space")
+        if teacher.config.token_map != student.config.token_map:
+            raise UsageError("the teacher's and the student's token maps (config.json's sub-vocabularies) differ; "
+                             "OPD needs one token space")
     return student, teacher, load_tokenizer(config.student)
 
 
@@ -337,7 +346,7 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
     """Supervised fine-tuning on demonstrations of the training games (``--sft-demonstrations``: walkthroughs or the
     searching expert's won episodes), evaluated like a distilled student."""
     from jaxopd.methods.loop import check_and_save_config
-    from jaxopd.methods.sft import sft_corpus, sft_steps, train_sft
+    from jaxopd.methods.sft import sft_corpus, sft_steps, to_sub_vocabulary, train_sft
     from jaxopd.sampler.engine import Engine, EngineConfig
 
     try:
@@ -346,6 +355,14 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
     except ValueError as error:
         raise UsageError(str(error)) from None
     samples, stats, failures = corpus.samples, corpus.stats, corpus.failures
+    if config.sub_vocabulary:
+        if student.config.token_map is not None:
+            print(f"--sub-vocabulary: the student already has a sub-vocabulary of {student.config.vocab_size:,} ids; "
+                  "kept", flush=True)
+        else:
+            student, samples, tokenizer = to_sub_vocabulary(student, samples)
+            print(f"sub-vocabulary: the model cut down to {student.config.vocab_size:,} token ids (the corpus's, the "
+                  "256 byte tokens and the added tokens)", flush=True)
     if failures:
         print(f"SFT demonstrations: the {config.sft_demonstrations} won {len(corpus.references)} of "
               f"{len(corpus.tasks)} training games within {config.max_turns} turns; the other {len(failures)} are "

@@ -68,6 +68,12 @@ def test_stages_chain_through_their_exports(name):
     if name == "chain":
         assert {"teacher-more-hf", "student-tool40-hf"} <= made
         assert [s.name for s in recipe.STAGES[-3:]] == ["teacher-more", "evaluate-teacher", "evaluate-student"]
+    elif name == "one-sft-sub":
+        assert made == {"copy1-hf", "copy2-hf", "sub800-hf", "sub1600-hf", "sub2400-hf", "sub2800-hf"}
+        segments = recipe.ONE_SFT_SUB[2:]
+        assert all("--sub-vocabulary" in s.argv("runs") and "runs/sft-sub" in s.argv("runs") for s in segments)
+        assert [int(s.argv("runs")[s.argv("runs").index("--steps") + 1]) for s in segments] == [800, 1600, 2400, 2800]
+        assert recipe.ONE_SFT_SUB[:2] == recipe.STAGES[:2]
     else:
         assert made == {"copy1-hf", "copy2-hf", "teacher-one-hf", "student-one-hf"}
         assert recipe.ONE_SFT[-1].argv("runs")[1] == "runs/teacher-one-hf"

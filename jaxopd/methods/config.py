@@ -140,6 +140,7 @@ class RunConfig:
     sft_group_by_length: int = 0             # SFT only: batches of similar length, windows of this many (SFTDataset)
     sft_action_weight: float = 1.0           # SFT only: loss weight of the action tag's tokens (thinking: 1)
     sft_action_format: str = "tight"         # rollout.tags.ACTION_FORMATS: SFT's and held-out answers' action tags
+    sub_vocabulary: bool = False             # SFT only: cut the model down to its corpus's ids (sft.to_sub_vocabulary)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -169,6 +170,9 @@ class RunConfig:
         if self.sft_action_weight != 1.0 and self.method != "sft":
             raise ValueError("sft_action_weight weights SFT's demonstration tokens; a distillation method's token "
                              "weights are its loss's")
+        if self.sub_vocabulary and self.method != "sft":
+            raise ValueError("sub_vocabulary cuts a model down to its SFT corpus's ids; a distillation method takes "
+                             "the vocabulary its --student and --teacher folders have")
         if self.sft_group_by_length and self.method != "sft":
             raise ValueError("sft_group_by_length orders SFT's batches; a distillation method trains on the batches "
                              "its rollouts give")

@@ -251,6 +251,9 @@ class Trainer:
         if teacher is not None and teacher.config.vocab_size != student.config.vocab_size:
             raise ValueError(f"the teacher's vocabulary ({teacher.config.vocab_size}) differs from the student's "
                              f"({student.config.vocab_size}); OPD compares their log-probabilities token by token")
+        if teacher is not None and teacher.config.token_map != student.config.token_map:
+            raise ValueError("the teacher's and the student's token maps (sub-vocabularies of Qwen3's ids) differ; "
+                             "OPD compares their log-probabilities token by token")
         self.student, self.teacher, self.tokenizer, self.source = student, teacher, tokenizer, source
         self.out_dir = Path(out_dir)
         self.progress = progress

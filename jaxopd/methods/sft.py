@@ -31,6 +31,8 @@ from jaxopd.methods.metrics_log import MetricsWriter
 from jaxopd.methods.sft_data import (FAST_MODES, FOCUS_TURNS, REWRITTEN_TURNS, SFTDataset, WalkthroughStats,
                                      walkthrough_samples)
 from jaxopd.models.qwen3 import Qwen3
+from jaxopd.models.weights import restrict_vocabulary
+from jaxopd.tokenizer import SubVocabularyTokenizer, sub_vocabulary
 from jaxopd.train.buffer import Sample, collate_samples
 from jaxopd.train.checkpoint import TrainCheckpointer
 from jaxopd.train.mesh import RolePlan, build_meshes
@@ -38,7 +40,7 @@ from jaxopd.train.step import (LossConfig, OptimizerConfig, abstract_train_state
                                check_supervised_fit, init_train_state, make_optimizer, make_train_step, place_batch,
                                train_state_shardings)
 
-__all__ = ["SFTCorpus", "sft_corpus", "train_sft", "sft_steps", "corpus_vocabulary"]
+__all__ = ["SFTCorpus", "sft_corpus", "train_sft", "sft_steps", "corpus_vocabulary", "to_sub_vocabulary"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +120,23 @@ def corpus_vocabulary(samples: Sequence[Sample]) -> tuple[int, ...]:
     """The sorted token ids that occur in ``samples``: the sub-vocabulary of the context language-model term."""
     ids = np.unique(np.concatenate([np.asarray(s.tokens, np.int64) for s in samples]))
     return tuple(int(i) for i in ids)
+
+
+def to_sub_vocabulary(model: Qwen3, samples: Sequence[Sample]) -> tuple[Qwen3, list[Sample], Any]:
+    """``model`` (over Qwen3's ids) and ``samples`` (tokenized in them) over the sub-vocabulary of the samples' ids
+    (``jaxopd.tokenizer.sub_vocabulary``: those ids, the byte tokens and the added tokens): the cut-down model
+    (``weights.restrict_vocabulary``), the samples' tokens renumbered, and the tokenizer that encodes as they now
+    are (``SubVocabularyTokenizer``). The model's logits at the kept ids are unchanged; its softmax is over them."""
+    token_map = sub_vocabulary(corpus_vocabulary(samples))
+    local = np.full(max(token_map) + 1, -1, np.int64)
+    local[list(token_map)] = np.arange(len(token_map))
+
+    def renumber(tokens):
+        return local[np.asarray(tokens, np.int64)].astype(np.asarray(tokens).dtype)
+
+    renumbered = [dataclasses.replace(s, tokens=renumber(s.tokens))
+                  for s in samples]
+    return restrict_vocabulary(model, token_map), renumbered, SubVocabularyTokenizer(token_map)
 
 
 def sft_steps(num_samples: int, batch_size: int, epochs: float) -> int:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxopd.tokenizer import TOKEN_MAP_KEY
 from kernels.dense import grouped_attention
 
 Array = jax.Array
@@ -44,6 +45,9 @@ class Qwen3Config:
     max_position_embeddings: int = 40_960
     dtype: str = "float32"          # activations
     param_dtype: str = "float32"    # parameters as stored on device
+    # A model over a sub-vocabulary of Qwen3's ids: the Qwen3 id of each of its ``vocab_size`` ids
+    # (``jaxopd.tokenizer.SubVocabularyTokenizer``, ``weights.restrict_vocabulary``); None: Qwen3's own ids.
+    token_map: tuple[int, ...] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -53,6 +57,9 @@ class Qwen3Config:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads}) for grouped-query attention")
+        if self.token_map is not None and len(self.token_map) != self.vocab_size:
+            raise ValueError(f"Qwen3Config.token_map lists {len(self.token_map)} ids for a vocabulary of "
+                             f"{self.vocab_size}")
 
     @property
     def num_groups(self) -> int:
@@ -105,11 +112,17 @@ class Qwen3Config:
             max_position_embeddings=int(hf.get("max_position_embeddings", 40_960)),
             dtype=dtype,
             param_dtype=dtype,
+            token_map=None if hf.get(TOKEN_MAP_KEY) is None else tuple(int(i) for i in hf[TOKEN_MAP_KEY]),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` of this architecture."""
         torch_dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[self.param_dtype]
+        bos, eos = 151643, 151645           # <|endoftext|>, <|im_end|>
+        extra: dict[str, Any] = {}
+        if self.token_map is not None:
+            bos, eos = self.token_map.index(bos), self.token_map.index(eos)
+            extra[TOKEN_MAP_KEY] = list(self.token_map)
         return {
             "architectures": ["Qwen3ForCausalLM"],
             "model_type": "qwen3",
@@ -127,9 +140,10 @@ class Qwen3Config:
             "hidden_act": "silu",
             "attention_bias": False,
             "attention_dropout": 0.0,
-            "bos_token_id": 151643,
-            "eos_token_id": 151645,
+            "bos_token_id": bos,
+            "eos_token_id": eos,
             "torch_dtype": torch_dtype,
+            **extra,
         }
 
 

@@ -51,6 +51,8 @@ class EngineConfig:
     pages (a chain hash of full pages, see ``PageAllocator``) and skip their prefill; outputs are the same as
     without sharing. ``scoring``: serve ``score`` requests (``Request.score_ids``); warm-up then also compiles
     the scoring step on every prefill shape.
+    ``eos_token_ids`` are Qwen3's ids; for a model over a sub-vocabulary (``Qwen3Config.token_map``) the engine
+    takes the ids they map to.
     ``overlap``: in the steady state (the same rows decode at steps k and k+1, nothing to admit, prefill or
     apply) decode step k+1 is dispatched, fed step k's tokens on the device, before the host processes step
     k; a stop found at step k then drops that row's token of step k+1 (never returned). Outputs are those of
@@ -139,6 +141,11 @@ class Engine(EngineBase):
     def __init__(self, model: Qwen3, config: EngineConfig = EngineConfig(), tokenizer: Any = None, *,
                  policy_version: int = 0):
         config.validate()
+        token_map = model.config.token_map
+        if token_map is not None:     # eos_token_ids are Qwen3's ids; a sub-vocabulary model numbers them its way
+            local = {qwen_id: i for i, qwen_id in enumerate(token_map)}
+            config = dataclasses.replace(config, eos_token_ids=tuple(local[t] for t in config.eos_token_ids
+                                                                     if t in local))
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size
