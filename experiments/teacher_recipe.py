@@ -23,6 +23,11 @@ It is shorter, not better: its teacher won 2.1 % (3 of 144) of the 48 games' epi
 resumed to 1,600 steps (a warm restart of the cosine schedule, 70 more minutes) it won 9.7 %, within noise of the
 chain's rebuilt 11.8 % (stop 43).
 
+``ONE_SFT_SUB`` (``--recipe one-sft-sub``, stop 48) is the one-sft run as stops 42-45 made the best teacher built
+here (34.0 %): four segments of the same run folder, resumed to 800, 1,600, 2,400 and 2,800 steps (each a warm
+restart of the cosine schedule), over the SFT corpus's sub-vocabulary (``train --sub-vocabulary``: 592 token ids
+instead of 151,936, a step about half as long). Its step-1,600 export is the student, step 2,800 the teacher.
+
 The last two stages evaluate the teacher and the student as stop 35 did (all 48 generated ``valid_unseen`` games,
 seeds 42/43/44; about 30 minutes each) and print their success beside the documented one. A stage is done when
 every folder it exports holds a complete Qwen3 Hugging Face checkpoint (its config, and safetensors as long as
@@ -189,10 +194,10 @@ def _sub_segment(steps: int, export: str, measured_s: float, source: str) -> Sta
 ONE_SFT_SUB: tuple[Stage, ...] = (
     STAGES[0],
     STAGES[1],
-    _sub_segment(800, "sub800-hf", 1254, "stop 48"),
-    _sub_segment(1600, "sub1600-hf", 1254, "stop 48 (the student)"),
-    _sub_segment(2400, "sub2400-hf", 1254, "stop 48"),
-    _sub_segment(2800, "sub2800-hf", 627, "stop 48 (the teacher)"),
+    _sub_segment(800, "sub800-hf", 3000, "stop 48, sharing the cores half the time; 2.8 % in play"),
+    _sub_segment(1600, "sub1600-hf", 2600, "stop 48, sharing the cores with an evaluation at first (the student)"),
+    _sub_segment(2400, "sub2400-hf", 2200, "an estimate: 800 steps at the 2.5 s mean alone of segments 1-2, data"),
+    _sub_segment(2800, "sub2800-hf", 1200, "an estimate: 400 steps at 2.5 s, data (the teacher)"),
 )
 RECIPES: dict[str, tuple[Stage, ...]] = {"chain": STAGES, "one-sft": ONE_SFT, "one-sft-sub": ONE_SFT_SUB}
 STAGE_NAMES = tuple(dict.fromkeys(stage.name for stages in RECIPES.values() for stage in stages))

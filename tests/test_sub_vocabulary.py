@@ -172,3 +172,35 @@ def test_sft_cuts_the_model_down_to_its_corpus_resumes_and_exports(source, tmp_p
     with pytest.raises(ValueError, match="token maps"):
         Trainer(build_config("vanilla-opd", preset="cpu"), student=exported, teacher=teacher, tokenizer=tokenizer,
                 source=source, out_dir=tmp_path / "opd", progress=False)
+
+
+@pytest.mark.parametrize("method", ["vanilla-opd", pytest.param("actfirst", marks=pytest.mark.slow)])
+def test_distillation_between_sub_vocabulary_models_trains_and_syncs(method, source, qwen, tmp_path):
+    import test_train_loop as loop
+
+    from jaxopd.methods.config import build_config
+    from jaxopd.methods.loop import Trainer
+    from jaxopd.methods.metrics_log import read_jsonl
+    from jaxopd.sampler.types import Request, SamplingParams
+
+    answer = qwen.encode("<think>\nI see a mug.\n</think>\n\n<action>go to countertop 1</action>")
+    token_map = sub_vocabulary([i for prompt in loop.game_prompts(source, qwen) for i in prompt] + answer)
+    tokenizer = SubVocabularyTokenizer(token_map)
+    probe_ids = tokenizer.encode("<|im_start|>user\nHello<|im_end|>")
+
+    def probe(engine, update):
+        result = engine.submit(Request(probe_ids, SamplingParams(max_new_tokens=4, temperature=0.0))).result(120)
+        return {"probe_logprobs": [float(x) for x in result.logprobs], "served_version": engine.policy_version}
+
+    config = build_config(method, preset="cpu", **{**loop.SMALL, "updates": 2})
+    trainer = Trainer(config, student=restrict_vocabulary(Qwen3(loop.MICRO, rngs=nnx.Rngs(0)), token_map),
+                      teacher=restrict_vocabulary(Qwen3(loop.MICRO, rngs=nnx.Rngs(1)), token_map), tokenizer=tokenizer,
+                      source=source, out_dir=tmp_path / method, progress=False, evaluate=probe,
+                      log=lambda message: None)
+    assert trainer.run()["updates"] == 2
+    records = read_jsonl(tmp_path / method / "train.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["sampled_reverse_kl"]) for r in records)
+    evals = read_jsonl(tmp_path / method / "eval.jsonl")
+    assert [e["served_version"] for e in evals] == [0, 2]
+    assert evals[0]["probe_logprobs"] != evals[1]["probe_logprobs"]
