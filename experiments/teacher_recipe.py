@@ -195,7 +195,7 @@ ONE_SFT_SUB: tuple[Stage, ...] = (
     STAGES[0],
     STAGES[1],
     _sub_segment(800, "sub800-hf", 3000, "stop 48, sharing the cores half the time; 2.8 % in play"),
-    _sub_segment(1600, "sub1600-hf", 2600, "stop 48, sharing the cores with an evaluation at first (the student)"),
+    _sub_segment(1600, "sub1600-hf", 3605, "stop 48, sharing the cores with an evaluation for 40 min (the student)"),
     _sub_segment(2400, "sub2400-hf", 2200, "an estimate: 800 steps at the 2.5 s mean alone of segments 1-2, data"),
     _sub_segment(2800, "sub2800-hf", 1200, "an estimate: 400 steps at 2.5 s, data (the teacher)"),
 )

@@ -134,8 +134,7 @@ def to_sub_vocabulary(model: Qwen3, samples: Sequence[Sample]) -> tuple[Qwen3, l
     def renumber(tokens):
         return local[np.asarray(tokens, np.int64)].astype(np.asarray(tokens).dtype)
 
-    renumbered = [dataclasses.replace(s, tokens=renumber(s.tokens))
-                  for s in samples]
+    renumbered = [dataclasses.replace(s, tokens=renumber(s.tokens)) for s in samples]
     return restrict_vocabulary(model, token_map), renumbered, SubVocabularyTokenizer(token_map)
 
 
