@@ -26,10 +26,12 @@ chain's rebuilt 11.8 % (stop 43).
 ``ONE_SFT_SUB`` (``--recipe one-sft-sub``, stop 48) is the one-sft run as stops 42-45 made the best teacher built
 here (34.0 %): four segments of the same run folder, resumed to 800, 1,600, 2,400 and 2,800 steps (each a warm
 restart of the cosine schedule), over the SFT corpus's sub-vocabulary (``train --sub-vocabulary``: 592 token ids
-instead of 151,936, a step about half as long). Its step-1,600 export is the student, step 2,800 the teacher.
+instead of 151,936, a step about half as long). Its step-1,600 export is the student (25.0 % of the 48 games'
+episodes, stop 48), step 2,800 the teacher (31.9 %, stop 49; the full-vocabulary run's: 34.0 %, paired -2.1 points,
+p 0.76); each is evaluated after its segment.
 
-The last two stages evaluate the teacher and the student as stop 35 did (all 48 generated ``valid_unseen`` games,
-seeds 42/43/44; about 30 minutes each) and print their success beside the documented one. A stage is done when
+The chain's last two stages evaluate the teacher and the student as stop 35 did (all 48 generated ``valid_unseen``
+games, seeds 42/43/44; about 30 minutes each) and print their success beside the documented one. A stage is done when
 every folder it exports holds a complete Qwen3 Hugging Face checkpoint (its config, and safetensors as long as
 their headers say) and an evaluation stage's folder all of ``experiments.evaluate``'s files, whoever made them,
 so the command can be killed and rerun: it starts again at the first stage not done. An interrupted SFT stage
@@ -189,15 +191,19 @@ def _sub_segment(steps: int, export: str, measured_s: float, source: str) -> Sta
 
 # The one-sft run as stops 42-45 made the 34 % teacher (steps 800, 1,600, 2,400 and 2,800, each segment resuming the
 # last with a larger --steps), over the SFT corpus's sub-vocabulary (--sub-vocabulary, stop 48): the softmax, the
-# embedding and the optimizer state over a few hundred ids instead of 151,936. Step 1,600 is the student of stops
-# 46-47, step 2,800 the teacher; both are evaluated.
+# embedding and the optimizer state over a few hundred ids instead of 151,936. Step 1,600 is the student (25.0 %,
+# stop 48), step 2,800 the teacher (31.9 %, stop 49); both are evaluated. Stops 48-49 ran it whole: 4.4 h of
+# measured stages plus 12 min of games and expert, part of it sharing the 2 cores.
 ONE_SFT_SUB: tuple[Stage, ...] = (
     STAGES[0],
     STAGES[1],
     _sub_segment(800, "sub800-hf", 3000, "stop 48, sharing the cores half the time; 2.8 % in play"),
     _sub_segment(1600, "sub1600-hf", 3605, "stop 48, sharing the cores with an evaluation for 40 min (the student)"),
-    _sub_segment(2400, "sub2400-hf", 2200, "an estimate: 800 steps at the 2.5 s mean alone of segments 1-2, data"),
-    _sub_segment(2800, "sub2800-hf", 1200, "an estimate: 400 steps at 2.5 s, data (the teacher)"),
+    _evaluate("evaluate-sub1600", "sub1600-hf", "sub1600-48", 1166, "stop 48 (the student)", 36 / 144),
+    _sub_segment(2400, "sub2400-hf", 2395, "stop 49, resumed from step 1,600, alone but for a 4-min smoke run"),
+    _sub_segment(2800, "sub2800-hf", 1179, "stop 49, alone (the teacher)"),
+    _evaluate("evaluate-sub2800", "sub2800-hf", "sub2800-48", 2176, "stop 49, beside a distillation run (the teacher)",
+              46 / 144),
 )
 RECIPES: dict[str, tuple[Stage, ...]] = {"chain": STAGES, "one-sft": ONE_SFT, "one-sft-sub": ONE_SFT_SUB}
 STAGE_NAMES = tuple(dict.fromkeys(stage.name for stages in RECIPES.values() for stage in stages))
@@ -327,7 +333,8 @@ def build_parser() -> Parser:
                         help="chain: the eight runs of the documented teacher and student (about 5.3 h); one-sft: "
                              "the copy warm-up and one SFT run, which fit a session (about 2.2 h; stop 42); "
                              "one-sft-sub: the copy warm-up and the one-sft run to 2,800 steps in the segments of "
-                             "stops 42-45, over the corpus's sub-vocabulary (stop 48)")
+                             "stops 42-45, over the corpus's sub-vocabulary, evaluating steps 1,600 and 2,800 (about "
+                             "4.5 h; stops 48-49)")
     parser.add_argument("--until", choices=STAGE_NAMES, default=None,
                         help="stop after this stage of the recipe (default: its last)")
     parser.add_argument("--dry-run", action="store_true", help="print the stages' commands and which are done")
