@@ -1,6 +1,7 @@
 """Where the executed actions of ActFirst-OPD runs came from (stop 46): per run, the mean over its updates of the
 share of executed actions that were reference-conditioned inverse-dynamics proposals or autonomous next-action
-predictions (``action_source_*``), of the rollout episodes won, and of moves repeating the last, read from the
+predictions (``action_source_*``), of the rollout episodes won, and of those with an unproductive repetition (App. C.5's Repeat,
+``rollout_repeat_percent``; stop 50 corrected this label, first written "moves repeating the last"), read from the
 ``train.jsonl`` that ``experiments.train`` writes.
 
     python results/train/stop46/actfirst_sources.py $(find results/train runs/opd46 -path '*actfirst*' -name train.jsonl | sort)
@@ -31,7 +32,7 @@ def cell(value, scale=100.0):
 
 def main(paths):
     print("| run (train.jsonl) | updates | inverse dynamics executed | next-action prediction executed | rollout episodes "
-          "won | moves repeating the last |")
+          "won | episodes with an unproductive repetition |")
     print("|---|---|---|---|---|---|")
     for path in paths:
         with open(path) as handle:
