@@ -1,0 +1,42 @@
+#!/bin/bash
+# stop 50: distil the 2.8 % sub-vocabulary student (step 800 of `teacher_recipe --recipe one-sft-sub`,
+# results/train/stop49/models/sub800-hf) from its 31.9 % teacher (step 2,800, results/train/stop49/models/sub2800-hf)
+# with the settings of results/train/stop48/opd.sh (lr 3e-5, 96 + 32 tokens, 30 turns), then play each result on the
+# 48 unseen games x seeds 42/43/44 (results/train/stop48/evaluate.sh). Trainings run one after the other; each one's
+# evaluation runs beside the next training, one evaluation at a time.
+#   bash results/train/stop50/queue.sh NAME METHOD UPDATES "EXTRA FLAGS" [NAME METHOD UPDATES "EXTRA FLAGS" ...]
+#     -> runs/opd48/NAME, runs/opd48/NAME-hf, runs/eval/opd48-NAME; logs runs/opd50-NAME.log, runs/opd50-eval-NAME.log
+# UPDATES 0: the export runs/opd48/NAME-hf exists or is being made by process TRAIN_WAIT_PID; only evaluate it.
+# The first training starts when process TRAIN_WAIT_PID has ended, the first evaluation when WAIT_PID has.
+# The stop's runs (vanilla OPD itself ran through STUDENT=runs/sub800-hf bash results/train/stop48/opd.sh
+# vanilla-opd 3e-5 40 vanilla-from800, which evaluates after training; the ActFirst training was started by an
+# earlier form of this script, the same training command):
+#   TRAIN_WAIT_PID=<actfirst training> WAIT_PID=<vanilla's opd.sh> bash results/train/stop50/queue.sh \
+#     actfirst-from800 actfirst 0 "" vanilla-t04-from800 vanilla-opd 40 "--temperature 0.4" sti-from800 sti 20 ""
+# STI-OPD was stopped 4 s into its start-up, before its first update, so that the evaluations had the cores by the
+# session's end; it was not run this stop.
+cd "$(dirname "$0")/../../.."
+py=${PYTHON:-.venv/bin/python}
+models=results/train/stop49/models   # the same folders, committed; used where runs/ has none
+student=${STUDENT:-runs/sub800-hf}; [ -n "$STUDENT" ] || [ -d $student ] || student=$models/sub800-hf
+teacher=${TEACHER:-runs/sub2800-hf}; [ -n "$TEACHER" ] || [ -d $teacher ] || teacher=$models/sub2800-hf
+wait_for() {  # until process $1 has ended
+  [ -n "$1" ] && while kill -0 $1 2>/dev/null; do sleep 20; done
+}
+wait_for "$TRAIN_WAIT_PID"
+prev=$WAIT_PID
+while [ $# -ge 4 ]; do
+  name=$1; m=$2; updates=$3; extra=$4; shift 4
+  if [ "$updates" != 0 ]; then
+    echo "train $name: $(date)"
+    /usr/bin/time -v $py -m experiments.train --method $m --preset cpu --student $student --teacher $teacher \
+      --updates $updates --checkpoint-every 10 --learning-rate 3e-5 --max-turns 30 --sft-thinking task-tool-act-here \
+      --sft-action-format said --first-stage-tokens 96 --total-tokens 128 --max-supervised-tokens 128 $extra \
+      --no-eval --no-progress --out runs/opd48/$name --export runs/opd48/$name-hf > runs/opd50-$name.log 2>&1
+    echo "trained $name ($?): $(date)"
+  fi
+  ( wait_for $prev; bash results/train/stop48/evaluate.sh runs/opd48/$name-hf opd48-$name \
+      > runs/opd50-eval-$name.log 2>&1; echo "evaluated $name ($?): $(date)" ) &
+  prev=$!
+done
+wait
