@@ -3,6 +3,7 @@
 # from its teacher (runs/sub2800-hf, step 2,800 of the same run), 40 updates, then play the result on the 48 unseen
 # games x seeds 42/43/44. The settings of stop 47's opd.sh.
 #   bash results/train/stop48/opd.sh METHOD LR UPDATES NAME [extra experiments.train flags]
+# (EVALUATE=0: train only; stop 50's queue.sh evaluates beside the next training)
 set -e
 m=$1; lr=$2; updates=$3; name=$4; shift 4
 cd "$(dirname "$0")/../../.."
@@ -15,4 +16,4 @@ date
   --sft-action-format said --first-stage-tokens 96 --total-tokens 128 --max-supervised-tokens 128 \
   --no-eval --no-progress --out runs/opd48/$name --export runs/opd48/$name-hf "$@"
 date
-bash results/train/stop48/evaluate.sh runs/opd48/$name-hf opd48-$name
+[ "${EVALUATE:-1}" = 0 ] || bash results/train/stop48/evaluate.sh runs/opd48/$name-hf opd48-$name

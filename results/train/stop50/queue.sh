@@ -1,7 +1,7 @@
 #!/bin/bash
 # stop 50: distil the 2.8 % sub-vocabulary student (step 800 of `teacher_recipe --recipe one-sft-sub`,
 # results/train/stop49/models/sub800-hf) from its 31.9 % teacher (step 2,800, results/train/stop49/models/sub2800-hf)
-# with the settings of results/train/stop48/opd.sh (lr 3e-5, 96 + 32 tokens, 30 turns), then play each result on the
+# through results/train/stop48/opd.sh (its settings: lr 3e-5, 96 + 32 tokens, 30 turns), then play each result on the
 # 48 unseen games x seeds 42/43/44 (results/train/stop48/evaluate.sh). Trainings run one after the other; each one's
 # evaluation runs beside the next training, one evaluation at a time.
 #   bash results/train/stop50/queue.sh NAME METHOD UPDATES "EXTRA FLAGS" [NAME METHOD UPDATES "EXTRA FLAGS" ...]
@@ -14,7 +14,8 @@
 #   TRAIN_WAIT_PID=<actfirst training> WAIT_PID=<vanilla's opd.sh> bash results/train/stop50/queue.sh \
 #     actfirst-from800 actfirst 0 "" vanilla-t04-from800 vanilla-opd 40 "--temperature 0.4" sti-from800 sti 20 ""
 # STI-OPD was stopped 4 s into its start-up, before its first update, so that the evaluations had the cores by the
-# session's end; it was not run this stop.
+# session's end; it was not run this stop. The runs wrote this script's training command out in full, the same flags
+# as opd.sh's (each run's exact command is in its summary.json); it now calls opd.sh with EVALUATE=0.
 cd "$(dirname "$0")/../../.."
 py=${PYTHON:-.venv/bin/python}
 models=results/train/stop49/models   # the same folders, committed; used where runs/ has none
@@ -29,10 +30,8 @@ while [ $# -ge 4 ]; do
   name=$1; m=$2; updates=$3; extra=$4; shift 4
   if [ "$updates" != 0 ]; then
     echo "train $name: $(date)"
-    /usr/bin/time -v $py -m experiments.train --method $m --preset cpu --student $student --teacher $teacher \
-      --updates $updates --checkpoint-every 10 --learning-rate 3e-5 --max-turns 30 --sft-thinking task-tool-act-here \
-      --sft-action-format said --first-stage-tokens 96 --total-tokens 128 --max-supervised-tokens 128 $extra \
-      --no-eval --no-progress --out runs/opd48/$name --export runs/opd48/$name-hf > runs/opd50-$name.log 2>&1
+    STUDENT=$student TEACHER=$teacher EVALUATE=0 bash results/train/stop48/opd.sh $m 3e-5 $updates $name $extra \
+      > runs/opd50-$name.log 2>&1
     echo "trained $name ($?): $(date)"
   fi
   ( wait_for $prev; bash results/train/stop48/evaluate.sh runs/opd48/$name-hf opd48-$name \
