@@ -30,7 +30,7 @@ from jaxopd.machine import machine_info
 from jaxopd.methods.benchmarks import BenchmarkError, GeneratedCounts, resolve_source, subset
 from jaxopd.methods.config import METHODS, PRESETS, SFT_DEMONSTRATIONS, SFT_THINKING, RunConfig, build_config
 from jaxopd.rollout.tags import ACTION_FORMATS
-from jaxopd.train.step import LR_SCHEDULES
+from jaxopd.train.step import LOSS_KINDS, LR_SCHEDULES
 
 FLAG_FIELDS = ("benchmark", "games", "generated_train_games", "student", "teacher", "student_model_preset",
                "teacher_model_preset", "updates",
@@ -137,7 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-checkpoints", type=int, default=None, help="newest checkpoints kept (default 3)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--learning-rate", type=float, default=None)
-    p.add_argument("--loss", default=None, choices=("opd", "sti-opd", "sti-iw-reverse-kl", "action-opd", "sft"))
+    p.add_argument("--loss", default=None, choices=LOSS_KINDS,
+                   help="the loss instead of the method's own; opd-exact: vanilla OPD's reverse KL computed over the "
+                        "whole vocabulary at each sampled state (not the papers' form; needs "
+                        "--max-supervised-tokens)")
     p.add_argument("--max-turns", type=int, default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None)
     p.add_argument("--max-train-tokens", type=int, default=None)

@@ -2,9 +2,10 @@
 
 Owns the shared clipped-surrogate primitive and its loss aggregation modes, the per-method advantages
 (sampled reverse KL, importance-weighted reverse KL, action-agreement rewards with group centering and
-batch whitening), STI-OPD's turn-level discrepancy score, and the supervised fine-tuning loss (the
-negative log-likelihood of demonstration tokens) that trains a teacher on walkthroughs. Imports nothing
-from the project; the action strings that ActionOPD's match counts come from are handled in
+batch whitening), STI-OPD's turn-level discrepancy score, OPD's reverse KL computed exactly over the vocabulary
+at the sampled states (``exact_opd_loss``, an option beside the papers' sampled form), and the supervised
+fine-tuning loss (the negative log-likelihood of demonstration tokens) that trains a teacher on walkthroughs.
+Imports nothing from the project; the action strings that ActionOPD's match counts come from are handled in
 ``jaxopd.rollout.actions``.
 
 Conventions: token arrays are ``[batch, length]`` (one row per turn-level response), ``mask`` marks the
@@ -236,18 +237,68 @@ def opd_loss(logp: chex.Array, behavior_logp: chex.Array, teacher_logp: chex.Arr
     return loss, metrics
 
 
+def reverse_kl_from_log_probs(student_log_probs: chex.Array, teacher_log_probs: chex.Array) -> jax.Array:
+    """Exact per-context reverse KL Σ_v π_θ(v) (log π_θ(v) - log π_T(v)) from normalised log-probabilities over
+    the last (vocabulary) axis (differentiable in both inputs)."""
+    _check("reverse_kl_from_log_probs", chex.assert_equal_shape, [student_log_probs, teacher_log_probs])
+    student_log_probs, teacher_log_probs = _as_float(student_log_probs), _as_float(teacher_log_probs)
+    student_probs = jnp.exp(student_log_probs)
+    # 0 * log 0 = 0: vocabulary entries the student rules out (logit -inf) contribute nothing.
+    terms = jnp.where(student_probs > 0, student_probs * (student_log_probs - teacher_log_probs), 0.0)
+    return jnp.sum(terms, axis=-1)
+
+
 def reverse_kl_from_logits(student_logits: chex.Array, teacher_logits: chex.Array) -> jax.Array:
     """Exact per-context reverse KL Σ_v π_θ(v) (log π_θ(v) - log π_T(v)) over the last (vocabulary) axis.
 
     ActFirst-OPD Eq. 4 / STI-OPD Eq. 2 evaluated over the full vocabulary (differentiable in both inputs).
     """
     _check("reverse_kl_from_logits", chex.assert_equal_shape, [student_logits, teacher_logits])
-    student_log_probs = jax.nn.log_softmax(_as_float(student_logits), axis=-1)
-    teacher_log_probs = jax.nn.log_softmax(_as_float(teacher_logits), axis=-1)
-    student_probs = jnp.exp(student_log_probs)
-    # 0 * log 0 = 0: vocabulary entries the student rules out (logit -inf) contribute nothing.
-    terms = jnp.where(student_probs > 0, student_probs * (student_log_probs - teacher_log_probs), 0.0)
-    return jnp.sum(terms, axis=-1)
+    return reverse_kl_from_log_probs(jax.nn.log_softmax(_as_float(student_logits), axis=-1),
+                                     jax.nn.log_softmax(_as_float(teacher_logits), axis=-1))
+
+
+def exact_opd_loss(student_log_probs: chex.Array, teacher_log_probs: chex.Array, mask: chex.Array, *,
+                   targets: Optional[chex.Array] = None, aggregation: str = "seq-mean-token-mean"
+                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """OPD with the reverse KL of each sampled state computed over the whole vocabulary instead of sampled.
+
+    The objective of ActFirst-OPD Eq. 4 (KL(π_θ(·|s) || π_T(·|s)) at the states s the student's rollouts
+    visited), each state's KL exact rather than estimated from the one sampled token; its gradient is the exact
+    per-state gradient, where ``opd_loss``'s dual-clip surrogate of A = -(log π_θ - log π_T) is a one-sample
+    policy-gradient estimate of it. This is GKD's on-policy reverse KL (Agarwal et al., 2024, β = 1), not a form
+    any of the three papers trained with: an option (``LossConfig.kind = "opd-exact"``), not a method's default.
+
+    Args:
+      student_log_probs: ``[B, W, V]`` log π_θ(·|s) at W states per response (differentiated; normalised).
+      teacher_log_probs: ``[B, W, V]`` log π_T(·|s) at the same states (constant).
+      mask: ``[B, W]`` 1 where a state is one of the response's supervised positions.
+      targets: optional ``[B, W]`` ids of the tokens sampled there, for the ``sampled_reverse_kl`` metric.
+      aggregation: one of ``AGGREGATION_MODES`` (vanilla OPD's seq-mean-token-mean by default).
+
+    Returns:
+      ``(loss, metrics)``: ``exact_reverse_kl`` (token mean over states), ``supervised_tokens``, and with
+      ``targets`` ``sampled_reverse_kl`` (token mean of log π_θ - log π_T at the sampled tokens, the quantity
+      ``opd_loss`` reports).
+    """
+    where = "exact_opd_loss"
+    _check(where, chex.assert_rank, [student_log_probs, teacher_log_probs], 3)
+    _check(where, chex.assert_equal_shape, [student_log_probs, teacher_log_probs])
+    _check(where, chex.assert_rank, mask, 2)
+    _check(where, chex.assert_equal_shape_prefix, [student_log_probs, mask], 2)
+    if aggregation not in AGGREGATION_MODES:
+        raise ValueError(f"{where}: aggregation must be one of {AGGREGATION_MODES}, got {aggregation!r}")
+    kl = reverse_kl_from_log_probs(student_log_probs, _sg(_as_float(teacher_log_probs)))
+    loss = aggregate_token_loss(kl, mask, aggregation)
+    mask = _as_float(mask)
+    metrics = {"exact_reverse_kl": _masked_mean(_sg(kl), mask), "supervised_tokens": jnp.sum(mask)}
+    if targets is not None:
+        _check(where, chex.assert_equal_shape, [targets, mask])
+        index = jnp.asarray(targets)[..., None]
+        log_ratio = (jnp.take_along_axis(_as_float(student_log_probs), index, axis=-1)
+                     - jnp.take_along_axis(_as_float(teacher_log_probs), index, axis=-1))[..., 0]
+        metrics["sampled_reverse_kl"] = _masked_mean(_sg(log_ratio), mask)
+    return loss, metrics
 
 
 # --------------------------------------------------------------------------------------------------
@@ -544,7 +595,7 @@ def sft_loss(logp: chex.Array, mask: chex.Array, *, aggregation: str = "token-me
 __all__ = [
     "AGGREGATION_MODES", "LOG_RATIO_BOUND", "SEQ_MEAN_EPSILON", "SurrogateTokenTerms", "GroupAdvantages",
     "clipped_surrogate_token_loss", "aggregate_token_loss", "clipped_surrogate_loss",
-    "opd_token_advantages", "opd_loss", "reverse_kl_from_logits",
+    "opd_token_advantages", "opd_loss", "reverse_kl_from_log_probs", "reverse_kl_from_logits", "exact_opd_loss",
     "sti_turn_discrepancy", "sti_intervention_probability", "sti_importance_weighted_reverse_kl",
     "sti_behavior_logp", "sti_opd_loss",
     "action_agreement_reward", "action_group_advantages", "actionopd_loss",

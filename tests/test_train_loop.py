@@ -124,10 +124,11 @@ def imprint(seed, actions, prompts, tokenizer, steps=100):
     return nnx.merge(graphdef, params)
 
 
-@pytest.mark.parametrize("method", ["vanilla-opd", *(pytest.param(m, marks=pytest.mark.slow)
-                                                    for m in ("actfirst", "sti"))])
-def test_method_trains_syncs_and_resumes_exactly(method, source, tokenizer, tmp_path):
+@pytest.mark.parametrize("method,loss", [("vanilla-opd", None), ("vanilla-opd", "opd-exact"),
+                                         *(pytest.param(m, None, marks=pytest.mark.slow) for m in ("actfirst", "sti"))])
+def test_method_trains_syncs_and_resumes_exactly(method, loss, source, tokenizer, tmp_path):
     out = tmp_path / method
+    train = functools.partial(globals()["train"], loss=loss)
     summary = train(method, out, source, tokenizer)
     assert summary["updates"] == 3
     records = read_jsonl(out / "train.jsonl")
@@ -135,6 +136,9 @@ def test_method_trains_syncs_and_resumes_exactly(method, source, tokenizer, tmp_
     for record in records:
         assert np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"])
         assert record["version_lag_max"] <= 1
+        if loss == "opd-exact":     # the loss is the exact reverse KL, up to the per-response averaging
+            assert record["exact_reverse_kl"] > 0 and np.isfinite(record["sampled_reverse_kl"])
+            assert "clip_fraction" not in record
     evals = read_jsonl(out / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 3]
     assert evals[0]["served_version"] == 0 and evals[1]["served_version"] == 3

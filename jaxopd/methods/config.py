@@ -93,7 +93,8 @@ class RunConfig:
     max_grad_norm: float = 1.0
     clip_eps: float = 0.2
     dual_clip: float = 3.0
-    loss: str | None = None                  # None: the method's loss (opd / sti-opd / action-opd / sft)
+    loss: str | None = None                  # None: the method's loss (opd / sti-opd / action-opd / sft);
+                                             # opd-exact: OPD's reverse KL over the whole vocabulary
     max_train_tokens: int = 16_384           # longest turn-level sample trained on (prompt + response)
     logits_chunk_size: int | None = 1024
     max_supervised_tokens: int | None = None   # project only the response positions (jaxopd.train.step)
@@ -170,6 +171,9 @@ class RunConfig:
         if self.sft_action_weight != 1.0 and self.method != "sft":
             raise ValueError("sft_action_weight weights SFT's demonstration tokens; a distillation method's token "
                              "weights are its loss's")
+        if self.loss == "opd-exact" and self.method not in ("vanilla-opd", "actfirst"):
+            raise ValueError(f"the opd-exact loss replaces the sampled reverse KL of vanilla OPD and ActFirst-OPD; "
+                             f"{self.method} trains its own objective")
         if self.sub_vocabulary and self.method != "sft":
             raise ValueError("sub_vocabulary cuts a model down to its SFT corpus's ids; a distillation method takes "
                              "the vocabulary its --student and --teacher folders have")

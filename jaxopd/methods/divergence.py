@@ -19,6 +19,7 @@ from flax import nnx
 from jaxopd.models.logprobs import tempered_log_softmax
 from jaxopd.models.qwen3 import dense_causal_attend
 from jaxopd.train.buffer import Sample, collate_samples
+from jaxopd.train.step import supervised_order
 
 __all__ = ["exact_reverse_kl", "supervised_log_softmax"]
 
@@ -35,9 +36,7 @@ def supervised_log_softmax(graphdef, params, tokens, positions, attention_mask, 
 @functools.partial(jax.jit, static_argnames=("student_graphdef", "teacher_graphdef", "width", "temperature"))
 def _batch_kl(student_graphdef, student_params, teacher_graphdef, teacher_params, tokens, positions, attention_mask,
               loss_mask, *, width: int, temperature: float):
-    mask = loss_mask.astype(bool)
-    order = jnp.argsort(jnp.logical_not(mask), axis=1, stable=True)[:, :width]
-    valid = jnp.take_along_axis(mask, order, axis=1)
+    order, valid = supervised_order(loss_mask, width)
     student = supervised_log_softmax(student_graphdef, student_params, tokens, positions, attention_mask, order,
                                       temperature)
     teacher = supervised_log_softmax(teacher_graphdef, teacher_params, tokens, positions, attention_mask, order,

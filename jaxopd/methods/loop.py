@@ -323,7 +323,8 @@ class Trainer:
             scorer = make_teacher_scorer(teacher_graphdef, teacher_shardings, meshes.teacher,
                                          temperature=loss_config.temperature,
                                          logits_chunk_size=loss_config.logits_chunk_size,
-                                         max_supervised_tokens=loss_config.max_supervised_tokens)
+                                         max_supervised_tokens=loss_config.max_supervised_tokens,
+                                         dense=loss_config.needs_teacher_dense)
 
         self.tasks = self._training_tasks()
         if not self.tasks:

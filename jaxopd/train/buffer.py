@@ -258,7 +258,8 @@ class TrainBatch:
     """A padded batch of samples; per-token arrays ``[B, T]`` indexed by token position, per-response ``[B]``.
 
     Rows are right-padded (``attention_mask`` False, ``loss_mask`` False); padding rows (all False) stand
-    for missing samples and add nothing to any loss. ``teacher_logp`` holds zeros until scored.
+    for missing samples and add nothing to any loss. ``teacher_logp`` holds zeros until scored, and
+    ``teacher_dense_logp`` is empty (``[B, 0, 0]``) unless a dense scorer filled it.
     """
 
     tokens: Any              # [B, T] int32
@@ -273,6 +274,8 @@ class TrainBatch:
     policy_version: Any      # [B] int32 (-1 on padding rows)
     loss_weight: Any         # [B, T] float32 — weight of each supervised token (sft: sft_loss's token_weight;
                              # a sample's loss_weight, else 1 on loss_mask), 0 off loss_mask
+    teacher_dense_logp: Any  # [B, W, V] float32 — opd-exact: the teacher's log-softmax at each row's first W
+                             # supervised positions (score_batch with a dense scorer); [B, 0, 0] otherwise
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -332,7 +335,8 @@ def collate_samples(samples: Sequence[Sample], *, batch_size: int | None = None,
             sample.loss_mask, sample.loss_weight, 0.0)
     positions = np.broadcast_to(np.arange(length, dtype=np.int32), (batch_size, length)).copy()
     return TrainBatch(tokens, positions, attention_mask, loss_mask, behavior_logp, teacher_logp,
-                      teacher_generated, advantages, retained, policy_version, loss_weight)
+                      teacher_generated, advantages, retained, policy_version, loss_weight,
+                      np.zeros((batch_size, 0, 0), np.float32))
 
 
 __all__ = ["Sample", "BufferStats", "SampleBuffer", "TrainBatch", "collate_samples", "padded_length"]

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxopd import losses
-from jaxopd.models.logprobs import ROLLOUT_TEMPERATURE, effective_temperature, token_log_probs
+from jaxopd.models.logprobs import ROLLOUT_TEMPERATURE, effective_temperature, tempered_log_softmax, token_log_probs
 from jaxopd.models.qwen3 import Qwen3, dense_causal_attend
 from jaxopd.models.sharding import DATA_AXIS, DEFAULT_RULES, ShardingRules, copy_to, named_shardings
 from jaxopd.train.buffer import TrainBatch
@@ -92,14 +92,17 @@ def make_optimizer(config: OptimizerConfig = OptimizerConfig()) -> optax.Gradien
     return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adamw)
 
 
-LOSS_KINDS = ("opd", "sti-opd", "sti-iw-reverse-kl", "action-opd", "sft")
-"""``opd``: ActFirst-OPD / vanilla OPD (dual-clip surrogate of the sampled reverse KL);
+LOSS_KINDS = ("opd", "opd-exact", "sti-opd", "sti-iw-reverse-kl", "action-opd", "sft")
+"""``opd``: ActFirst-OPD / vanilla OPD (dual-clip surrogate of the sampled reverse KL); ``opd-exact``: OPD with
+each sampled state's reverse KL computed over the whole vocabulary (``losses.exact_opd_loss``; the teacher's
+log-softmax at the supervised positions travels in ``TrainBatch.teacher_dense_logp``; needs
+``max_supervised_tokens``);
 ``sti-opd``: STI-OPD's practical PPO form; ``sti-iw-reverse-kl``: STI-OPD's exact importance-weighted
 reverse KL (Eq. 11); ``action-opd``: ActionOPD's clipped objective with response advantages; ``sft``:
 supervised fine-tuning, the negative log-likelihood of demonstration responses (training a teacher on
 walkthroughs, ``jaxopd.methods.sft_data``)."""
 
-_DEFAULT_AGGREGATION = {"opd": "seq-mean-token-mean", "sti-opd": "token-mean",
+_DEFAULT_AGGREGATION = {"opd": "seq-mean-token-mean", "opd-exact": "seq-mean-token-mean", "sti-opd": "token-mean",
                         "sti-iw-reverse-kl": "token-mean", "action-opd": "token-mean", "sft": "token-mean"}
 
 
@@ -147,6 +150,9 @@ class LossConfig:
         if self.aggregation is not None and self.aggregation not in losses.AGGREGATION_MODES:
             raise ValueError(f"LossConfig.aggregation must be one of {losses.AGGREGATION_MODES} or None, "
                              f"got {self.aggregation!r}")
+        if self.kind == "opd-exact" and self.max_supervised_tokens is None:
+            raise ValueError("LossConfig.kind 'opd-exact' needs max_supervised_tokens: the teacher's log-softmax is "
+                             "carried at each row's first max_supervised_tokens supervised positions")
         if self.kind == "action-opd" and self.aggregation not in (None, "token-mean"):
             raise ValueError("ActionOPD aggregates by the active-token mean; aggregation must be None or 'token-mean'")
         if not self.temperature > 0:
@@ -194,6 +200,11 @@ class LossConfig:
     @property
     def needs_teacher_logp(self) -> bool:
         return self.kind not in ("action-opd", "sft")
+
+    @property
+    def needs_teacher_dense(self) -> bool:
+        """The loss reads the teacher's whole log-softmax at the supervised positions, not its token log-probs."""
+        return self.kind == "opd-exact"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -317,18 +328,41 @@ def supervised_log_probs(model: Qwen3, tokens: jax.Array, positions: jax.Array, 
     return _supervised_from_hidden(model, hidden, tokens, loss_mask, max_supervised_tokens, temperature)
 
 
+def supervised_order(loss_mask: jax.Array, max_supervised_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """Each row's first ``W = min(max_supervised_tokens, T)`` supervised positions ``order`` ``[B, W]`` (the
+    supervised positions first, in position order; then unsupervised ones) and ``valid`` ``[B, W]``, whether
+    each is supervised."""
+    width = min(int(max_supervised_tokens), loss_mask.shape[1])
+    mask = loss_mask.astype(bool)
+    order = jnp.argsort(jnp.logical_not(mask), axis=1, stable=True)[:, :width]
+    return order, jnp.take_along_axis(mask, order, axis=1)
+
+
+def supervised_dense_log_probs(model: Qwen3, hidden: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
+                               max_supervised_tokens: int, temperature: float
+                               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The tempered log-softmax ``[B, W, V]`` of the logits that predict each row's first W supervised tokens
+    (:func:`supervised_order`), from the final hidden states ``hidden`` ``[B, T, D]`` of ``tokens``; with those
+    tokens ``targets`` ``[B, W]``, ``order`` and ``valid``."""
+    order, valid = supervised_order(loss_mask, max_supervised_tokens)
+    context = jnp.take_along_axis(hidden, jnp.maximum(order - 1, 0)[..., None], axis=1)   # predicts tokens[order]
+    targets = jnp.take_along_axis(tokens, order, axis=1)
+    return tempered_log_softmax(model.logits(context), temperature), targets, order, valid
+
+
+def _scatter_rows(values: jax.Array, order: jax.Array, length: int) -> jax.Array:
+    """``[B, W]`` values at positions ``order`` back into ``[B, length]`` zeros."""
+    rows = jnp.arange(values.shape[0])[:, None]
+    return jnp.zeros((values.shape[0], length), values.dtype).at[rows, order].add(values)
+
+
 def _supervised_from_hidden(model: Qwen3, hidden: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
                             max_supervised_tokens: int, temperature: float) -> jax.Array:
-    batch, length = tokens.shape
-    width = min(int(max_supervised_tokens), length)
-    mask = loss_mask.astype(bool)
-    order = jnp.argsort(jnp.logical_not(mask), axis=1, stable=True)[:, :width]   # supervised positions first
-    valid = jnp.take_along_axis(mask, order, axis=1)
+    order, valid = supervised_order(loss_mask, max_supervised_tokens)
     context = jnp.take_along_axis(hidden, jnp.maximum(order - 1, 0)[..., None], axis=1)   # predicts tokens[order]
     targets = jnp.take_along_axis(tokens, order, axis=1)
     values = jnp.where(valid, token_log_probs(model.logits(context), targets, temperature), 0.0)
-    rows = jnp.arange(batch)[:, None]
-    return jnp.zeros((batch, length), values.dtype).at[rows, order].add(values)
+    return _scatter_rows(values, order, tokens.shape[1])
 
 
 def context_log_probs(model: Qwen3, hidden: jax.Array, tokens: jax.Array, attention_mask: jax.Array,
@@ -400,8 +434,27 @@ def batch_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: TrainBatch, con
     model = nnx.merge(graphdef, params)
     if config.context_lm_weight > 0:
         return _sft_with_context_loss(model, batch, config)
+    if config.needs_teacher_dense:
+        return _exact_opd_loss(model, batch, config)
     logp = model_log_probs(model, batch.tokens, batch.positions, batch.attention_mask, batch.loss_mask, config)
     loss, metrics = loss_from_log_probs(logp, batch, config)
+    return loss, dict(metrics)
+
+
+def _exact_opd_loss(model: Qwen3, batch: TrainBatch, config: LossConfig) -> tuple[jax.Array, Metrics]:
+    """The ``opd-exact`` loss: the student's log-softmax at the supervised positions against the teacher's, which
+    ``score_batch`` put in ``batch.teacher_dense_logp`` for the same positions."""
+    hidden, _ = model.hidden_states(batch.tokens, batch.positions,
+                                    dense_causal_attend(batch.positions, batch.attention_mask))
+    student, targets, _, valid = supervised_dense_log_probs(model, hidden, batch.tokens, batch.loss_mask,
+                                                            config.max_supervised_tokens, config.temperature)
+    teacher = batch.teacher_dense_logp
+    if tuple(teacher.shape) != tuple(student.shape):
+        raise ValueError(f"the opd-exact loss needs the teacher's log-softmax {tuple(student.shape)} at the batch's "
+                         f"supervised positions, but batch.teacher_dense_logp has shape {tuple(teacher.shape)}; "
+                         "score the batch with make_teacher_scorer(..., dense=True)")
+    loss, metrics = losses.exact_opd_loss(student, teacher, valid, targets=targets,
+                                          aggregation=config.resolved_aggregation)
     return loss, dict(metrics)
 
 
@@ -460,12 +513,13 @@ class TeacherScorer:
     devices) are first moved to the teacher mesh, rows split over its data axis; the result stays there.
     """
 
-    compiled: Callable[..., jax.Array]
+    compiled: Callable[..., Any]
     row_sharding: NamedSharding
     max_supervised_tokens: int | None = None
+    dense: bool = False
 
     def __call__(self, params: nnx.State, tokens: Any, positions: Any, attention_mask: Any,
-                 loss_mask: Any = None) -> jax.Array:
+                 loss_mask: Any = None) -> Any:
         _check_rows_divide(tokens.shape[0], self.row_sharding)
         if self.max_supervised_tokens is None:
             tokens, positions, attention_mask = jax.device_put((tokens, positions, attention_mask), self.row_sharding)
@@ -479,13 +533,31 @@ class TeacherScorer:
 
 def make_teacher_scorer(graphdef: nnx.GraphDef, param_shardings: nnx.State, mesh: Mesh, *,
                         temperature: float = ROLLOUT_TEMPERATURE, logits_chunk_size: int | None = None,
-                        max_supervised_tokens: int | None = None, data_axis: str = DATA_AXIS) -> TeacherScorer:
+                        max_supervised_tokens: int | None = None, dense: bool = False,
+                        data_axis: str = DATA_AXIS) -> TeacherScorer:
     """The teacher's scorer on ``mesh`` with the teacher's parameter shardings (see :class:`TeacherScorer`).
     With ``max_supervised_tokens`` only the supervised positions are scored (0 elsewhere; the loss reads no
-    other), by :func:`supervised_log_probs`."""
+    other), by :func:`supervised_log_probs`. ``dense`` (needs ``max_supervised_tokens``; for the ``opd-exact``
+    loss) returns ``(token_logp [B, T], log_softmax [B, W, V])``: also the teacher's whole tempered log-softmax at
+    each row's first W supervised positions (:func:`supervised_dense_log_probs`); that array is B·W·V floats
+    (16 × 128 × 592 over a sub-vocabulary: 4.8 MB; over Qwen3's 151,936 ids: 1.2 GB)."""
     rows = NamedSharding(mesh, PartitionSpec(data_axis))
 
-    if max_supervised_tokens is None:
+    if dense:
+        if max_supervised_tokens is None:
+            raise ValueError("a dense teacher scorer needs max_supervised_tokens (the positions it returns the "
+                             "log-softmax at)")
+
+        def score(params, tokens, positions, attention_mask, loss_mask):
+            model = nnx.merge(graphdef, params)
+            hidden, _ = model.hidden_states(tokens, positions, dense_causal_attend(positions, attention_mask))
+            log_softmax, targets, order, valid = supervised_dense_log_probs(model, hidden, tokens, loss_mask,
+                                                                            max_supervised_tokens, temperature)
+            token_logp = jnp.take_along_axis(log_softmax, targets[..., None], axis=-1)[..., 0]
+            return _scatter_rows(jnp.where(valid, token_logp, 0.0), order, tokens.shape[1]), log_softmax
+
+        compiled = jax.jit(score, in_shardings=(param_shardings, rows, rows, rows, rows), out_shardings=(rows, rows))
+    elif max_supervised_tokens is None:
         def score(params, tokens, positions, attention_mask):
             model = nnx.merge(graphdef, params)
             return sequence_log_probs(model, tokens, positions, attention_mask, temperature, logits_chunk_size)
@@ -498,7 +570,7 @@ def make_teacher_scorer(graphdef: nnx.GraphDef, param_shardings: nnx.State, mesh
                                         temperature)
 
         compiled = jax.jit(score, in_shardings=(param_shardings, rows, rows, rows, rows), out_shardings=rows)
-    return TeacherScorer(compiled, rows, max_supervised_tokens)
+    return TeacherScorer(compiled, rows, max_supervised_tokens, dense)
 
 
 def score_batch(scorer: TeacherScorer, teacher_params: nnx.State, batch: TrainBatch,
@@ -506,15 +578,21 @@ def score_batch(scorer: TeacherScorer, teacher_params: nnx.State, batch: TrainBa
     """Fills ``teacher_logp`` with the teacher's log-probs of the batch's tokens (computed on the teacher
     mesh, then transferred) and returns the whole batch placed on ``trainer_batch_sharding``.
 
-    Any ``teacher_logp`` already in the batch is replaced; to train on log-probs the rollout computed
+    A dense scorer (``opd-exact``) also fills ``teacher_dense_logp``. Any ``teacher_logp`` already in the batch is
+    replaced; to train on log-probs the rollout computed
     itself, or for ActionOPD and SFT (``LossConfig.needs_teacher_logp`` is False), call :func:`place_batch`.
     """
-    teacher_logp = scorer(teacher_params, batch.tokens, batch.positions, batch.attention_mask, batch.loss_mask)
-    return place_batch(batch.replace(teacher_logp=teacher_logp), trainer_batch_sharding)
+    scored = scorer(teacher_params, batch.tokens, batch.positions, batch.attention_mask, batch.loss_mask)
+    if scorer.dense:
+        teacher_logp, teacher_dense_logp = scored
+        return place_batch(batch.replace(teacher_logp=teacher_logp, teacher_dense_logp=teacher_dense_logp),
+                           trainer_batch_sharding)
+    return place_batch(batch.replace(teacher_logp=scored), trainer_batch_sharding)
 
 
 __all__ = ["OptimizerConfig", "make_optimizer", "LOSS_KINDS", "LossConfig", "TrainState", "replicated",
            "train_state_shardings", "abstract_train_state", "init_train_state", "batch_shardings", "place_batch",
-           "sequence_log_probs", "supervised_log_probs", "context_log_probs", "check_supervised_fit", "model_log_probs",
+           "sequence_log_probs", "supervised_log_probs", "supervised_order", "supervised_dense_log_probs",
+           "context_log_probs", "check_supervised_fit", "model_log_probs",
            "loss_from_log_probs", "batch_loss", "make_train_step",
            "TeacherScorer", "make_teacher_scorer", "score_batch"]
