@@ -350,19 +350,19 @@ def supervised_dense_log_probs(model: Qwen3, hidden: jax.Array, tokens: jax.Arra
     return tempered_log_softmax(model.logits(context), temperature), targets, order, valid
 
 
-def _scatter_rows(values: jax.Array, order: jax.Array, length: int) -> jax.Array:
-    """``[B, W]`` values at positions ``order`` back into ``[B, length]`` zeros."""
+def _target_log_probs(log_probs: jax.Array, targets: jax.Array, order: jax.Array, valid: jax.Array,
+                      length: int) -> jax.Array:
+    """``[B, length]``: the log-probabilities ``log_probs`` ``[B, W, V]`` give the tokens ``targets``, put back at
+    their positions ``order`` (0 elsewhere and where not ``valid``)."""
+    values = jnp.where(valid, jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0], 0.0)
     rows = jnp.arange(values.shape[0])[:, None]
     return jnp.zeros((values.shape[0], length), values.dtype).at[rows, order].add(values)
 
 
 def _supervised_from_hidden(model: Qwen3, hidden: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
                             max_supervised_tokens: int, temperature: float) -> jax.Array:
-    order, valid = supervised_order(loss_mask, max_supervised_tokens)
-    context = jnp.take_along_axis(hidden, jnp.maximum(order - 1, 0)[..., None], axis=1)   # predicts tokens[order]
-    targets = jnp.take_along_axis(tokens, order, axis=1)
-    values = jnp.where(valid, token_log_probs(model.logits(context), targets, temperature), 0.0)
-    return _scatter_rows(values, order, tokens.shape[1])
+    return _target_log_probs(*supervised_dense_log_probs(model, hidden, tokens, loss_mask, max_supervised_tokens,
+                                                         temperature), tokens.shape[1])
 
 
 def context_log_probs(model: Qwen3, hidden: jax.Array, tokens: jax.Array, attention_mask: jax.Array,
@@ -551,10 +551,8 @@ def make_teacher_scorer(graphdef: nnx.GraphDef, param_shardings: nnx.State, mesh
         def score(params, tokens, positions, attention_mask, loss_mask):
             model = nnx.merge(graphdef, params)
             hidden, _ = model.hidden_states(tokens, positions, dense_causal_attend(positions, attention_mask))
-            log_softmax, targets, order, valid = supervised_dense_log_probs(model, hidden, tokens, loss_mask,
-                                                                            max_supervised_tokens, temperature)
-            token_logp = jnp.take_along_axis(log_softmax, targets[..., None], axis=-1)[..., 0]
-            return _scatter_rows(jnp.where(valid, token_logp, 0.0), order, tokens.shape[1]), log_softmax
+            dense = supervised_dense_log_probs(model, hidden, tokens, loss_mask, max_supervised_tokens, temperature)
+            return _target_log_probs(*dense, tokens.shape[1]), dense[0]
 
         compiled = jax.jit(score, in_shardings=(param_shardings, rows, rows, rows, rows), out_shardings=(rows, rows))
     elif max_supervised_tokens is None:

@@ -4,14 +4,15 @@
 # (results/train/stop48/eval-sub800) and the teacher (results/train/stop49/eval-sub2800), then the runs' metrics and
 # ActFirst's action sources.
 #   bash results/train/stop50/report.sh
+# Later stops' runs from the same pair: OUT=results/train/stopNN SPECS="RUN:LABEL:UPDATES ..." bash .../report.sh
 set -e
 cd "$(dirname "$0")/../../.."
 py=${PYTHON:-.venv/bin/python}
-d=results/train/stop50
+d=${OUT:-results/train/stop50}
 student=results/train/stop48/eval-sub800
 teacher=results/train/stop49/eval-sub2800
 # RUN:LABEL:UPDATES, RUN under runs/opd48, its evaluation copied to $d/eval-LABEL
-specs="vanilla-from800:vanilla-opd:40 actfirst-from800:actfirst:40 vanilla-t04-from800:vanilla-t04:40"
+specs=${SPECS:-"vanilla-from800:vanilla-opd:40 actfirst-from800:actfirst:40 vanilla-t04-from800:vanilla-t04:40"}
 evals="--eval student800=$student"; runs=""; ev=""
 for spec in $specs; do
   name=${spec%%:*}; rest=${spec#*:}; m=${rest%%:*}; updates=${rest#*:}
