@@ -33,5 +33,9 @@ if [ -d $d/eval-actfirst ] && [ -d $d/eval-vanilla-opd ]; then
   $py -m experiments.compare_evals --eval vanilla40=$d/eval-vanilla-opd --eval actfirst40=$d/eval-actfirst \
     --out $d/paired-actfirst-vs-vanilla
 fi
-[ -f runs/opd48/actfirst-from800/train.jsonl ] && \
-  $py results/train/stop46/actfirst_sources.py runs/opd48/actfirst-from800/train.jsonl > $d/actfirst_sources.txt || true
+for spec in $specs; do    # ActFirst's action sources, for the ActFirst runs among them
+  name=${spec%%:*}; rest=${spec#*:}
+  if [ "${rest%%:*}" = actfirst ] && [ -f runs/opd48/$name/train.jsonl ]; then
+    $py results/train/stop46/actfirst_sources.py runs/opd48/$name/train.jsonl > $d/actfirst_sources.txt
+  fi
+done
