@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxopd.losses import reverse_kl_from_log_probs
 from jaxopd.models.logprobs import tempered_log_softmax
 from jaxopd.models.qwen3 import dense_causal_attend
 from jaxopd.train.buffer import Sample, collate_samples
@@ -41,7 +42,7 @@ def _batch_kl(student_graphdef, student_params, teacher_graphdef, teacher_params
                                       temperature)
     teacher = supervised_log_softmax(teacher_graphdef, teacher_params, tokens, positions, attention_mask, order,
                                       temperature)
-    kl = jnp.sum(jnp.exp(student) * (student - teacher), axis=-1)
+    kl = reverse_kl_from_log_probs(student, teacher)
     return jnp.sum(jnp.where(valid, kl, 0.0)), jnp.sum(valid)
 
 
