@@ -45,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="Hugging Face Qwen3 folder: also report each model's exact reverse KL to it on the turns")
     parser.add_argument("--kl-temperature", type=float, default=1.0,
                         help="temperature of both models in the reverse KL (default 1.0, the OPD rollouts')")
+    parser.add_argument("--top-k", type=int, nargs="+", default=None, metavar="K",
+                        help="with --teacher: also report how much of the exact reverse KL the opd-exact loss's top-K "
+                             "form keeps on the turns, and the cosine of its gradient (w.r.t. the student's logits) "
+                             "with the exact one's")
     parser.add_argument("--out", required=True, help="JSON file (a markdown table is written beside it)")
     args = parser.parse_args(argv)
     return run_main(lambda: run(args, argv))
@@ -67,6 +71,10 @@ def run(args, argv) -> int:
         check_checkpoint_folder("--model", folder)
     if args.teacher is not None:
         check_checkpoint_folder("--teacher", args.teacher)
+    if args.top_k is not None and args.teacher is None:
+        raise UsageError("--top-k compares against the teacher's distribution; pass --teacher DIR")
+    if args.top_k is not None and min(args.top_k) < 1:
+        raise UsageError(f"--top-k values must be >= 1, got {args.top_k}")
     if not args.kl_temperature > 0:
         raise UsageError(f"--kl-temperature must be > 0, got {args.kl_temperature}")
     out = check_out_file("--out", args.out)
@@ -88,7 +96,7 @@ def run(args, argv) -> int:
     rows, free, answers = {}, {}, {}
     from flax import nnx
 
-    from jaxopd.methods.divergence import exact_reverse_kl
+    from jaxopd.methods.divergence import exact_reverse_kl, top_k_agreement
     teacher = None if args.teacher is None else nnx.split(load_qwen3(args.teacher), nnx.Param)
     for folder in args.model:
         model = load_qwen3(folder)
@@ -96,6 +104,13 @@ def run(args, argv) -> int:
         if teacher is not None:
             rows[folder]["exact_reverse_kl"] = exact_reverse_kl(nnx.split(model, nnx.Param), teacher, samples,
                                                                 temperature=args.kl_temperature)
+            if args.top_k:
+                vocab = model.config.vocab_size
+                if max(args.top_k) >= vocab:
+                    raise UsageError(f"--top-k {max(args.top_k)} is not below the models' {vocab} ids")
+                rows[folder]["top_k"] = {str(k): v for k, v in top_k_agreement(
+                    nnx.split(model, nnx.Param), teacher, samples, args.top_k,
+                    temperature=args.kl_temperature).items()}
         print(f"{folder}: {json.dumps(rows[folder])}", flush=True)
         if args.free_running:
             free[folder], answers[folder] = _free_running(model, samples, tokenizer, goals, args)
@@ -128,6 +143,15 @@ def run(args, argv) -> int:
     for folder, row in rows.items():
         table += f"- `{folder}`: " + ", ".join(f"{verb} {c['exact']}/{c['turns']}"
                                               for verb, c in row["action_exact_by_verb"].items()) + "\n"
+    if args.top_k:
+        table += ("\nThe opd-exact loss's top-K form (`--exact-top-k K`: the teacher's K most probable ids and the "
+                  "rest) on these turns: the share of the exact reverse KL it keeps / the cosine of its gradient "
+                  "with the exact one's (w.r.t. the student's logits):\n\n| model | " + " | ".join(
+                      f"K = {k}" for k in args.top_k) + " |\n|---|" + "---|" * len(args.top_k) + "\n")
+        for folder, row in rows.items():
+            table += f"| `{folder}` | " + " | ".join(
+                f"{cell(row['top_k'][str(k)]['kl_fraction'])} / {cell(row['top_k'][str(k)]['gradient_cosine'])}"
+                for k in args.top_k) + " |\n"
     if args.free_running:
         table += (f"\nFree-running (greedy answers the model writes itself in the same states, thinking budget "
                   f"{first} / {total}):\n\n| model | action exact | no action | thinking exact "

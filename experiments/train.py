@@ -42,7 +42,7 @@ FLAG_FIELDS = ("benchmark", "games", "generated_train_games", "student", "teache
                "sft_context_weight", "sft_thinking", "sft_renamed_copies", "sft_take_copies", "sft_arrival_copies",
                "sft_change_copies", "sft_refused_copies", "sft_missing_copies", "sft_fast_copies", "lr_schedule",
                "sft_group_by_length", "sft_action_weight", "sft_action_format", "max_supervised_tokens",
-               "sub_vocabulary")
+               "exact_top_k", "sub_vocabulary")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the loss instead of the method's own; opd-exact: vanilla OPD's reverse KL computed over the "
                         "whole vocabulary at each sampled state (not the papers' form; needs "
                         "--max-supervised-tokens)")
+    p.add_argument("--exact-top-k", type=int, default=None, metavar="K",
+                   help="opd-exact only: carry the teacher's top K ids and the mass of the rest at each state "
+                        "instead of its whole log-softmax, and train the reverse KL of that coarse distribution "
+                        "(a lower bound of the exact one; for full Qwen3 vocabularies, e.g. 64). Default: all ids")
     p.add_argument("--max-turns", type=int, default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None)
     p.add_argument("--max-train-tokens", type=int, default=None)

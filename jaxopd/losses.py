@@ -3,7 +3,8 @@
 Owns the shared clipped-surrogate primitive and its loss aggregation modes, the per-method advantages
 (sampled reverse KL, importance-weighted reverse KL, action-agreement rewards with group centering and
 batch whitening), STI-OPD's turn-level discrepancy score, OPD's reverse KL computed exactly over the vocabulary
-at the sampled states (``exact_opd_loss``, an option beside the papers' sampled form), and the supervised
+at the sampled states (``exact_opd_loss``, an option beside the papers' sampled form; over a large
+vocabulary on the teacher's top K ids and the rest, ``top_k_reverse_kl``), and the supervised
 fine-tuning loss (the negative log-likelihood of demonstration tokens) that trains a teacher on walkthroughs.
 Imports nothing from the project; the action strings that ActionOPD's match counts come from are handled in
 ``jaxopd.rollout.actions``.
@@ -258,9 +259,58 @@ def reverse_kl_from_logits(student_logits: chex.Array, teacher_logits: chex.Arra
                                      jax.nn.log_softmax(_as_float(teacher_logits), axis=-1))
 
 
+_OUTSIDE = -1e30
+"""The finite stand-in for log 0 that :func:`log_mass_outside` gives a vocabulary entry it leaves out (a true
+-inf would make the gradient of an empty logsumexp NaN)."""
+
+
+def log_mass_outside(log_probs: chex.Array, ids: chex.Array) -> jax.Array:
+    """log Σ_{v ∉ ids} exp(log_probs[..., v]): the log of the probability left outside ``ids`` ``[..., K]`` (each
+    row's K distinct ids) by the normalised ``log_probs`` ``[..., V]``, taken as a logsumexp over the other
+    entries, not as log(1 - Σ_{v ∈ ids} p_v), which cancels to log 0 in float32 when the K carry nearly all of it.
+    About -1e30 (probability 0) where ``ids`` cover the vocabulary. Differentiable in ``log_probs``."""
+    log_probs = _as_float(log_probs)
+    vocab, k = log_probs.shape[-1], ids.shape[-1]
+    flat = log_probs.reshape(-1, vocab)
+    rows = jnp.arange(flat.shape[0])[:, None]
+    inside = jnp.zeros(flat.shape, bool).at[rows, jnp.asarray(ids).reshape(-1, k)].set(True)
+    return jax.nn.logsumexp(jnp.where(inside, _OUTSIDE, flat), axis=-1).reshape(log_probs.shape[:-1])
+
+
+def top_k_with_rest(log_probs: chex.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """A distribution's K most probable entries and the rest, as one coarse distribution over K + 1 outcomes.
+
+    ``log_probs`` ``[..., V]`` (normalised) gives ``(values [..., K + 1], ids [..., K])``: the K largest
+    log-probabilities with their ids, then the log of the probability of all other V - K entries together
+    (:func:`log_mass_outside`). What a teacher sends for :func:`top_k_reverse_kl` instead of its ``[..., V]``."""
+    if not 1 <= k < log_probs.shape[-1]:
+        raise ValueError(f"top_k_with_rest: k must be in [1, {log_probs.shape[-1]}) for a vocabulary of "
+                         f"{log_probs.shape[-1]} ids, got {k} (for all of them take the whole log-softmax)")
+    values, ids = jax.lax.top_k(_as_float(log_probs), k)
+    rest = log_mass_outside(log_probs, ids)
+    return jnp.concatenate([values, rest[..., None]], axis=-1), ids
+
+
+def top_k_reverse_kl(student_log_probs: chex.Array, teacher_values: chex.Array, teacher_ids: chex.Array
+                     ) -> jax.Array:
+    """The reverse KL of the two policies coarse-grained onto the teacher's top K ids and one outcome "any other id".
+
+    ``student_log_probs`` ``[..., V]`` (normalised, differentiated); ``teacher_values`` ``[..., K + 1]`` and
+    ``teacher_ids`` ``[..., K]`` as :func:`top_k_with_rest` gives them. Per context
+    Σ_{k ≤ K} π_θ(v_k)(log π_θ(v_k) - log π_T(v_k)) + π_θ(rest)(log π_θ(rest) - log π_T(rest)): a lower bound of the
+    exact reverse KL (merging outcomes never raises a KL), equal to it when the ids outside the top K carry no
+    probability under either policy. Student mass on ids the teacher ranks outside its top K is charged as a whole
+    against the teacher's remaining mass. The teacher's side is a constant."""
+    student_log_probs = _as_float(student_log_probs)
+    top = jnp.take_along_axis(student_log_probs, jnp.asarray(teacher_ids), axis=-1)
+    rest = log_mass_outside(student_log_probs, teacher_ids)
+    student = jnp.concatenate([top, rest[..., None]], axis=-1)
+    return reverse_kl_from_log_probs(student, _sg(_as_float(teacher_values)))
+
+
 def exact_opd_loss(student_log_probs: chex.Array, teacher_log_probs: chex.Array, mask: chex.Array, *,
-                   targets: Optional[chex.Array] = None, aggregation: str = "seq-mean-token-mean"
-                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                   teacher_ids: Optional[chex.Array] = None, targets: Optional[chex.Array] = None,
+                   aggregation: str = "seq-mean-token-mean") -> tuple[jax.Array, dict[str, jax.Array]]:
     """OPD with the reverse KL of each sampled state computed over the whole vocabulary instead of sampled.
 
     The objective of ActFirst-OPD Eq. 4 (KL(π_θ(·|s) || π_T(·|s)) at the states s the student's rollouts
@@ -271,24 +321,39 @@ def exact_opd_loss(student_log_probs: chex.Array, teacher_log_probs: chex.Array,
 
     Args:
       student_log_probs: ``[B, W, V]`` log π_θ(·|s) at W states per response (differentiated; normalised).
-      teacher_log_probs: ``[B, W, V]`` log π_T(·|s) at the same states (constant).
+      teacher_log_probs: ``[B, W, V]`` log π_T(·|s) at the same states (constant); with ``teacher_ids``, the
+        ``[B, W, K + 1]`` values of :func:`top_k_with_rest` instead.
       mask: ``[B, W]`` 1 where a state is one of the response's supervised positions.
-      targets: optional ``[B, W]`` ids of the tokens sampled there, for the ``sampled_reverse_kl`` metric.
+      teacher_ids: optional ``[B, W, K]`` ids of the teacher's top K at each state: each state's KL is then
+        :func:`top_k_reverse_kl` (a lower bound of the exact one, for vocabularies too large to carry whole).
+      targets: optional ``[B, W]`` ids of the tokens sampled there, for the ``sampled_reverse_kl`` metric
+        (whole-vocabulary form only).
       aggregation: one of ``AGGREGATION_MODES`` (vanilla OPD's seq-mean-token-mean by default).
 
     Returns:
-      ``(loss, metrics)``: ``exact_reverse_kl`` (token mean over states), ``supervised_tokens``, and with
-      ``targets`` ``sampled_reverse_kl`` (token mean of log π_θ - log π_T at the sampled tokens, the quantity
-      ``opd_loss`` reports).
+      ``(loss, metrics)``: ``exact_reverse_kl`` (token mean over states; with ``teacher_ids`` the top-K form's),
+      ``supervised_tokens``, and with ``targets`` ``sampled_reverse_kl`` (token mean of log π_θ - log π_T at the
+      sampled tokens, the quantity ``opd_loss`` reports).
     """
     where = "exact_opd_loss"
     _check(where, chex.assert_rank, [student_log_probs, teacher_log_probs], 3)
-    _check(where, chex.assert_equal_shape, [student_log_probs, teacher_log_probs])
     _check(where, chex.assert_rank, mask, 2)
-    _check(where, chex.assert_equal_shape_prefix, [student_log_probs, mask], 2)
+    _check(where, chex.assert_equal_shape_prefix, [student_log_probs, teacher_log_probs, mask], 2)
     if aggregation not in AGGREGATION_MODES:
         raise ValueError(f"{where}: aggregation must be one of {AGGREGATION_MODES}, got {aggregation!r}")
-    kl = reverse_kl_from_log_probs(student_log_probs, _sg(_as_float(teacher_log_probs)))
+    if teacher_ids is None:
+        _check(where, chex.assert_equal_shape, [student_log_probs, teacher_log_probs])
+        kl = reverse_kl_from_log_probs(student_log_probs, _sg(_as_float(teacher_log_probs)))
+    else:
+        if targets is not None:
+            raise ValueError(f"{where}: the sampled_reverse_kl metric (targets) needs the teacher's whole "
+                             "log-softmax, not its top K")
+        _check(where, chex.assert_rank, teacher_ids, 3)
+        _check(where, chex.assert_equal_shape_prefix, [teacher_ids, mask], 2)
+        if teacher_log_probs.shape[-1] != teacher_ids.shape[-1] + 1:
+            raise ValueError(f"{where}: top-K teacher values must have K + 1 = {teacher_ids.shape[-1] + 1} entries "
+                             f"(the K ids, then the rest), got {teacher_log_probs.shape[-1]}")
+        kl = top_k_reverse_kl(student_log_probs, teacher_log_probs, teacher_ids)
     loss = aggregate_token_loss(kl, mask, aggregation)
     mask = _as_float(mask)
     metrics = {"exact_reverse_kl": _masked_mean(_sg(kl), mask), "supervised_tokens": jnp.sum(mask)}
@@ -595,7 +660,8 @@ def sft_loss(logp: chex.Array, mask: chex.Array, *, aggregation: str = "token-me
 __all__ = [
     "AGGREGATION_MODES", "LOG_RATIO_BOUND", "SEQ_MEAN_EPSILON", "SurrogateTokenTerms", "GroupAdvantages",
     "clipped_surrogate_token_loss", "aggregate_token_loss", "clipped_surrogate_loss",
-    "opd_token_advantages", "opd_loss", "reverse_kl_from_log_probs", "reverse_kl_from_logits", "exact_opd_loss",
+    "opd_token_advantages", "opd_loss", "reverse_kl_from_log_probs", "reverse_kl_from_logits",
+    "log_mass_outside", "top_k_with_rest", "top_k_reverse_kl", "exact_opd_loss",
     "sti_turn_discrepancy", "sti_intervention_probability", "sti_importance_weighted_reverse_kl",
     "sti_behavior_logp", "sti_opd_loss",
     "action_agreement_reward", "action_group_advantages", "actionopd_loss",

@@ -233,7 +233,7 @@ def test_cli_teacher_adds_the_exact_reverse_kl_of_each_model(tmp_path, monkeypat
     out = tmp_path / "fit.json"
     assert cli.main(["--model", folders[0], "--model", folders[1], "--teacher", folders[1], "--split", "train",
                      "--num-tasks", "2", "--demonstrations", "walkthrough", "--thinking", "state",
-                     "--kl-temperature", "0.7", "--out", str(out)]) == 0
+                     "--kl-temperature", "0.7", "--top-k", "4", "64", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["teacher"] == folders[1] and result["kl_temperature"] == 0.7
     tokenizer = load_tokenizer(None)
@@ -246,6 +246,12 @@ def test_cli_teacher_adds_the_exact_reverse_kl_of_each_model(tmp_path, monkeypat
     assert expected > 1e-3
     assert result["models"][folders[1]]["exact_reverse_kl"] == pytest.approx(0.0, abs=1e-6)
     assert "exact reverse KL" in out.with_suffix(".md").read_text()
+    # --top-k: the share of that KL the opd-exact loss's top-K form keeps, and its gradient's cosine
+    top = result["models"][folders[0]]["top_k"]
+    assert 0 < top["4"]["kl_fraction"] < top["64"]["kl_fraction"] < 1 and 0 < top["4"]["gradient_cosine"] < 1
+    assert top["4"]["exact_reverse_kl"] == pytest.approx(expected, rel=1e-4)
+    assert result["models"][folders[1]]["top_k"]["4"]["kl_fraction"] is None     # the teacher itself: no KL
+    assert "top-K form" in out.with_suffix(".md").read_text()
 
 
 def test_listing_copied_by_hand(setup):

@@ -124,11 +124,13 @@ def imprint(seed, actions, prompts, tokenizer, steps=100):
     return nnx.merge(graphdef, params)
 
 
-@pytest.mark.parametrize("method,loss", [("vanilla-opd", None), ("vanilla-opd", "opd-exact"),
-                                         *(pytest.param(m, None, marks=pytest.mark.slow) for m in ("actfirst", "sti"))])
-def test_method_trains_syncs_and_resumes_exactly(method, loss, source, tokenizer, tmp_path):
+@pytest.mark.parametrize("method,loss,top_k", [
+    ("vanilla-opd", None, None), ("vanilla-opd", "opd-exact", None),
+    *(pytest.param(m, None, None, marks=pytest.mark.slow) for m in ("actfirst", "sti")),
+    pytest.param("actfirst", "opd-exact", 8, marks=pytest.mark.slow)])
+def test_method_trains_syncs_and_resumes_exactly(method, loss, top_k, source, tokenizer, tmp_path):
     out = tmp_path / method
-    train = functools.partial(globals()["train"], loss=loss)
+    train = functools.partial(globals()["train"], loss=loss, exact_top_k=top_k)
     summary = train(method, out, source, tokenizer)
     assert summary["updates"] == 3
     records = read_jsonl(out / "train.jsonl")

@@ -95,6 +95,7 @@ class RunConfig:
     dual_clip: float = 3.0
     loss: str | None = None                  # None: the method's loss (opd / sti-opd / action-opd / sft);
                                              # opd-exact: OPD's reverse KL over the whole vocabulary
+    exact_top_k: int | None = None           # opd-exact over the teacher's top K ids and the rest (None: all ids)
     max_train_tokens: int = 16_384           # longest turn-level sample trained on (prompt + response)
     logits_chunk_size: int | None = 1024
     max_supervised_tokens: int | None = None   # project only the response positions (jaxopd.train.step)
@@ -174,6 +175,8 @@ class RunConfig:
         if self.loss == "opd-exact" and self.method not in ("vanilla-opd", "actfirst"):
             raise ValueError(f"the opd-exact loss replaces the sampled reverse KL of vanilla OPD and ActFirst-OPD; "
                              f"{self.method} trains its own objective")
+        if self.exact_top_k is not None and self.loss != "opd-exact":
+            raise ValueError("exact_top_k sizes the opd-exact loss's teacher distribution; pass --loss opd-exact")
         if self.sub_vocabulary and self.method != "sft":
             raise ValueError("sub_vocabulary cuts a model down to its SFT corpus's ids; a distillation method takes "
                              "the vocabulary its --student and --teacher folders have")
@@ -207,7 +210,7 @@ class RunConfig:
                                                  or self.rollout_backlog < 0):
             raise ValueError(f"RunConfig.rollout_backlog must be a non-negative integer or None, "
                              f"got {self.rollout_backlog!r}")
-        for name in ("train_tasks", "eval_tasks", "logits_chunk_size", "max_supervised_tokens"):
+        for name in ("train_tasks", "eval_tasks", "logits_chunk_size", "max_supervised_tokens", "exact_top_k"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"RunConfig.{name} must be a positive integer or None, got {value!r}")

@@ -324,7 +324,7 @@ class Trainer:
                                          temperature=loss_config.temperature,
                                          logits_chunk_size=loss_config.logits_chunk_size,
                                          max_supervised_tokens=loss_config.max_supervised_tokens,
-                                         dense=loss_config.needs_teacher_dense)
+                                         dense=loss_config.needs_teacher_dense, top_k=loss_config.exact_top_k)
 
         self.tasks = self._training_tasks()
         if not self.tasks:

@@ -259,7 +259,7 @@ class TrainBatch:
 
     Rows are right-padded (``attention_mask`` False, ``loss_mask`` False); padding rows (all False) stand
     for missing samples and add nothing to any loss. ``teacher_logp`` holds zeros until scored, and
-    ``teacher_dense_logp`` is empty (``[B, 0, 0]``) unless a dense scorer filled it.
+    ``teacher_dense_logp`` and ``teacher_top_ids`` are empty (``[B, 0, 0]``) unless a dense scorer filled them.
     """
 
     tokens: Any              # [B, T] int32
@@ -275,7 +275,9 @@ class TrainBatch:
     loss_weight: Any         # [B, T] float32 — weight of each supervised token (sft: sft_loss's token_weight;
                              # a sample's loss_weight, else 1 on loss_mask), 0 off loss_mask
     teacher_dense_logp: Any  # [B, W, V] float32 — opd-exact: the teacher's log-softmax at each row's first W
-                             # supervised positions (score_batch with a dense scorer); [B, 0, 0] otherwise
+                             # supervised positions (score_batch with a dense scorer); [B, 0, 0] otherwise;
+                             # with a top-K scorer [B, W, K + 1]: its top K log-probs, then the rest's
+    teacher_top_ids: Any     # [B, W, K] int32 — the ids of those top K (top-K scorer); [B, 0, 0] otherwise
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -336,7 +338,7 @@ def collate_samples(samples: Sequence[Sample], *, batch_size: int | None = None,
     positions = np.broadcast_to(np.arange(length, dtype=np.int32), (batch_size, length)).copy()
     return TrainBatch(tokens, positions, attention_mask, loss_mask, behavior_logp, teacher_logp,
                       teacher_generated, advantages, retained, policy_version, loss_weight,
-                      np.zeros((batch_size, 0, 0), np.float32))
+                      np.zeros((batch_size, 0, 0), np.float32), np.zeros((batch_size, 0, 0), np.int32))
 
 
 __all__ = ["Sample", "BufferStats", "SampleBuffer", "TrainBatch", "collate_samples", "padded_length"]

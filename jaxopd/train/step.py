@@ -96,7 +96,8 @@ LOSS_KINDS = ("opd", "opd-exact", "sti-opd", "sti-iw-reverse-kl", "action-opd", 
 """``opd``: ActFirst-OPD / vanilla OPD (dual-clip surrogate of the sampled reverse KL); ``opd-exact``: OPD with
 each sampled state's reverse KL computed over the whole vocabulary (``losses.exact_opd_loss``; the teacher's
 log-softmax at the supervised positions travels in ``TrainBatch.teacher_dense_logp``; needs
-``max_supervised_tokens``);
+``max_supervised_tokens``; with ``LossConfig.exact_top_k`` only the teacher's top K and the rest travel, and the KL
+is ``losses.top_k_reverse_kl``'s);
 ``sti-opd``: STI-OPD's practical PPO form; ``sti-iw-reverse-kl``: STI-OPD's exact importance-weighted
 reverse KL (Eq. 11); ``action-opd``: ActionOPD's clipped objective with response advantages; ``sft``:
 supervised fine-tuning, the negative log-likelihood of demonstration responses (training a teacher on
@@ -127,6 +128,10 @@ class LossConfig:
     the softmax restricted to ``context_vocab`` (sorted token ids, e.g. every id of the SFT corpus; see
     :func:`context_log_probs`): many times the response's supervision from the same forward pass.
 
+    ``exact_top_k`` (``opd-exact`` only; None: the whole vocabulary) carries the teacher's top K ids and the mass of
+    the rest instead of its whole log-softmax, and trains :func:`jaxopd.losses.top_k_reverse_kl`, a lower bound of
+    each state's KL: B·W·(2K + 1) numbers a batch instead of B·W·V (Qwen3's 151,936 ids: 1.2 GB at 16 × 128).
+
     ``kind="sft"`` trains on the likelihood of the demonstration itself, not on sampled tokens: an SFT
     config should use ``temperature=1.0`` (the default), so that the model learns the plain softmax it
     later samples from; the temperature is applied like for every other kind if set otherwise. The
@@ -143,6 +148,7 @@ class LossConfig:
     max_supervised_tokens: int | None = None
     context_lm_weight: float = 0.0
     context_vocab: tuple[int, ...] | None = None
+    exact_top_k: int | None = None
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -153,6 +159,12 @@ class LossConfig:
         if self.kind == "opd-exact" and self.max_supervised_tokens is None:
             raise ValueError("LossConfig.kind 'opd-exact' needs max_supervised_tokens: the teacher's log-softmax is "
                              "carried at each row's first max_supervised_tokens supervised positions")
+        if self.exact_top_k is not None:
+            if self.kind != "opd-exact":
+                raise ValueError(f"LossConfig.exact_top_k sizes the opd-exact loss's teacher distribution; the "
+                                 f"{self.kind!r} loss reads none")
+            if isinstance(self.exact_top_k, bool) or not isinstance(self.exact_top_k, int) or self.exact_top_k < 1:
+                raise ValueError(f"LossConfig.exact_top_k must be a positive int or None, got {self.exact_top_k!r}")
         if self.kind == "action-opd" and self.aggregation not in (None, "token-mean"):
             raise ValueError("ActionOPD aggregates by the active-token mean; aggregation must be None or 'token-mean'")
         if not self.temperature > 0:
@@ -446,15 +458,32 @@ def _exact_opd_loss(model: Qwen3, batch: TrainBatch, config: LossConfig) -> tupl
     ``score_batch`` put in ``batch.teacher_dense_logp`` for the same positions."""
     hidden, _ = model.hidden_states(batch.tokens, batch.positions,
                                     dense_causal_attend(batch.positions, batch.attention_mask))
-    student, targets, _, valid = supervised_dense_log_probs(model, hidden, batch.tokens, batch.loss_mask,
-                                                            config.max_supervised_tokens, config.temperature)
-    teacher = batch.teacher_dense_logp
-    if tuple(teacher.shape) != tuple(student.shape):
+    student, targets, order, valid = supervised_dense_log_probs(model, hidden, batch.tokens, batch.loss_mask,
+                                                                config.max_supervised_tokens, config.temperature)
+    teacher, ids = batch.teacher_dense_logp, batch.teacher_top_ids
+    k = config.exact_top_k
+    if k is None and tuple(teacher.shape) != tuple(student.shape):
         raise ValueError(f"the opd-exact loss needs the teacher's log-softmax {tuple(student.shape)} at the batch's "
                          f"supervised positions, but batch.teacher_dense_logp has shape {tuple(teacher.shape)}; "
                          "score the batch with make_teacher_scorer(..., dense=True)")
-    loss, metrics = losses.exact_opd_loss(student, teacher, valid, targets=targets,
+    if k is None:
+        loss, metrics = losses.exact_opd_loss(student, teacher, valid, targets=targets,
+                                              aggregation=config.resolved_aggregation)
+        return loss, dict(metrics)
+    expected = tuple(student.shape[:2]) + (k,)
+    if tuple(ids.shape) != expected or tuple(teacher.shape) != expected[:2] + (k + 1,):
+        raise ValueError(f"the opd-exact loss with exact_top_k {k} needs the teacher's top {k} ids {expected} and "
+                         f"values {expected[:2] + (k + 1,)} at the batch's supervised positions, but the batch has "
+                         f"{tuple(ids.shape)} and {tuple(teacher.shape)}; score it with "
+                         f"make_teacher_scorer(..., dense=True, top_k={k})")
+    loss, metrics = losses.exact_opd_loss(student, teacher, valid, teacher_ids=ids,
                                           aggregation=config.resolved_aggregation)
+    # the sampled estimate from the teacher's token log-probs, which the scorer also returns
+    sampled = jnp.take_along_axis(student, targets[..., None], axis=-1)[..., 0] - jnp.take_along_axis(
+        batch.teacher_logp, order, axis=1)
+    valid_f = valid.astype(jnp.float32)
+    metrics = {**metrics, "sampled_reverse_kl": jax.lax.stop_gradient(
+        jnp.sum(sampled * valid_f) / jnp.maximum(jnp.sum(valid_f), 1.0))}
     return loss, dict(metrics)
 
 
@@ -517,6 +546,7 @@ class TeacherScorer:
     row_sharding: NamedSharding
     max_supervised_tokens: int | None = None
     dense: bool = False
+    top_k: int | None = None
 
     def __call__(self, params: nnx.State, tokens: Any, positions: Any, attention_mask: Any,
                  loss_mask: Any = None) -> Any:
@@ -533,15 +563,19 @@ class TeacherScorer:
 
 def make_teacher_scorer(graphdef: nnx.GraphDef, param_shardings: nnx.State, mesh: Mesh, *,
                         temperature: float = ROLLOUT_TEMPERATURE, logits_chunk_size: int | None = None,
-                        max_supervised_tokens: int | None = None, dense: bool = False,
+                        max_supervised_tokens: int | None = None, dense: bool = False, top_k: int | None = None,
                         data_axis: str = DATA_AXIS) -> TeacherScorer:
     """The teacher's scorer on ``mesh`` with the teacher's parameter shardings (see :class:`TeacherScorer`).
     With ``max_supervised_tokens`` only the supervised positions are scored (0 elsewhere; the loss reads no
     other), by :func:`supervised_log_probs`. ``dense`` (needs ``max_supervised_tokens``; for the ``opd-exact``
     loss) returns ``(token_logp [B, T], log_softmax [B, W, V])``: also the teacher's whole tempered log-softmax at
     each row's first W supervised positions (:func:`supervised_dense_log_probs`); that array is B·W·V floats
-    (16 × 128 × 592 over a sub-vocabulary: 4.8 MB; over Qwen3's 151,936 ids: 1.2 GB)."""
+    (16 × 128 × 592 over a sub-vocabulary: 4.8 MB; over Qwen3's 151,936 ids: 1.2 GB). ``top_k`` (dense only)
+    returns ``(token_logp, values [B, W, K + 1], ids [B, W, K])`` instead, the top K and the rest of
+    :func:`jaxopd.losses.top_k_with_rest` (16 × 128 × 64: 1 MB)."""
     rows = NamedSharding(mesh, PartitionSpec(data_axis))
+    if top_k is not None and not dense:
+        raise ValueError("top_k sizes a dense scorer's output; pass dense=True")
 
     if dense:
         if max_supervised_tokens is None:
@@ -552,9 +586,13 @@ def make_teacher_scorer(graphdef: nnx.GraphDef, param_shardings: nnx.State, mesh
             model = nnx.merge(graphdef, params)
             hidden, _ = model.hidden_states(tokens, positions, dense_causal_attend(positions, attention_mask))
             dense = supervised_dense_log_probs(model, hidden, tokens, loss_mask, max_supervised_tokens, temperature)
-            return _target_log_probs(*dense, tokens.shape[1]), dense[0]
+            token_logp = _target_log_probs(*dense, tokens.shape[1])
+            if top_k is None:
+                return token_logp, dense[0]
+            return (token_logp, *losses.top_k_with_rest(dense[0], top_k))
 
-        compiled = jax.jit(score, in_shardings=(param_shardings, rows, rows, rows, rows), out_shardings=(rows, rows))
+        outputs = (rows, rows) if top_k is None else (rows, rows, rows)
+        compiled = jax.jit(score, in_shardings=(param_shardings, rows, rows, rows, rows), out_shardings=outputs)
     elif max_supervised_tokens is None:
         def score(params, tokens, positions, attention_mask):
             model = nnx.merge(graphdef, params)
@@ -568,7 +606,7 @@ def make_teacher_scorer(graphdef: nnx.GraphDef, param_shardings: nnx.State, mesh
                                         temperature)
 
         compiled = jax.jit(score, in_shardings=(param_shardings, rows, rows, rows, rows), out_shardings=rows)
-    return TeacherScorer(compiled, rows, max_supervised_tokens, dense)
+    return TeacherScorer(compiled, rows, max_supervised_tokens, dense, top_k)
 
 
 def score_batch(scorer: TeacherScorer, teacher_params: nnx.State, batch: TrainBatch,
@@ -576,13 +614,15 @@ def score_batch(scorer: TeacherScorer, teacher_params: nnx.State, batch: TrainBa
     """Fills ``teacher_logp`` with the teacher's log-probs of the batch's tokens (computed on the teacher
     mesh, then transferred) and returns the whole batch placed on ``trainer_batch_sharding``.
 
-    A dense scorer (``opd-exact``) also fills ``teacher_dense_logp``. Any ``teacher_logp`` already in the batch is
-    replaced; to train on log-probs the rollout computed
+    A dense scorer (``opd-exact``) also fills ``teacher_dense_logp`` (and a top-K one ``teacher_top_ids``). Any
+    ``teacher_logp`` already in the batch is replaced; to train on log-probs the rollout computed
     itself, or for ActionOPD and SFT (``LossConfig.needs_teacher_logp`` is False), call :func:`place_batch`.
     """
     scored = scorer(teacher_params, batch.tokens, batch.positions, batch.attention_mask, batch.loss_mask)
     if scorer.dense:
-        teacher_logp, teacher_dense_logp = scored
+        teacher_logp, teacher_dense_logp, *top_ids = scored
+        if top_ids:
+            batch = batch.replace(teacher_top_ids=top_ids[0])
         return place_batch(batch.replace(teacher_logp=teacher_logp, teacher_dense_logp=teacher_dense_logp),
                            trainer_batch_sharding)
     return place_batch(batch.replace(teacher_logp=scored), trainer_batch_sharding)
