@@ -35,7 +35,10 @@ if [ -d $d/eval-actfirst ] && [ -d $d/eval-vanilla-opd ]; then
 fi
 for spec in $specs; do    # ActFirst's action sources, for the ActFirst runs among them
   name=${spec%%:*}; rest=${spec#*:}
-  if [ "${rest%%:*}" = actfirst ] && [ -f runs/opd48/$name/train.jsonl ]; then
-    $py results/train/stop46/actfirst_sources.py runs/opd48/$name/train.jsonl > $d/actfirst_sources.txt
-  fi
+  label=${rest%%:*}
+  case $label in actfirst*) [ -f runs/opd48/$name/train.jsonl ] || continue
+    # one file per stop when its label is actfirst (stops 50-51), else one per run
+    file=$d/actfirst_sources.txt; [ $label = actfirst ] || file=$d/actfirst_sources-$label.txt
+    $py results/train/stop46/actfirst_sources.py runs/opd48/$name/train.jsonl > $file ;;
+  esac
 done
