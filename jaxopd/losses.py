@@ -310,7 +310,8 @@ def top_k_reverse_kl(student_log_probs: chex.Array, teacher_values: chex.Array, 
 
 def exact_opd_loss(student_log_probs: chex.Array, teacher_log_probs: chex.Array, mask: chex.Array, *,
                    teacher_ids: Optional[chex.Array] = None, targets: Optional[chex.Array] = None,
-                   aggregation: str = "seq-mean-token-mean") -> tuple[jax.Array, dict[str, jax.Array]]:
+                   teacher_target_log_probs: Optional[chex.Array] = None, aggregation: str = "seq-mean-token-mean"
+                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """OPD with the reverse KL of each sampled state computed over the whole vocabulary instead of sampled.
 
     The objective of ActFirst-OPD Eq. 4 (KL(π_θ(·|s) || π_T(·|s)) at the states s the student's rollouts
@@ -326,8 +327,8 @@ def exact_opd_loss(student_log_probs: chex.Array, teacher_log_probs: chex.Array,
       mask: ``[B, W]`` 1 where a state is one of the response's supervised positions.
       teacher_ids: optional ``[B, W, K]`` ids of the teacher's top K at each state: each state's KL is then
         :func:`top_k_reverse_kl` (a lower bound of the exact one, for vocabularies too large to carry whole).
-      targets: optional ``[B, W]`` ids of the tokens sampled there, for the ``sampled_reverse_kl`` metric
-        (whole-vocabulary form only).
+      targets: optional ``[B, W]`` ids of the tokens sampled there, for the ``sampled_reverse_kl`` metric; with
+        ``teacher_ids`` it also needs ``teacher_target_log_probs`` ``[B, W]``, the teacher's log-probs of them.
       aggregation: one of ``AGGREGATION_MODES`` (vanilla OPD's seq-mean-token-mean by default).
 
     Returns:
@@ -345,9 +346,9 @@ def exact_opd_loss(student_log_probs: chex.Array, teacher_log_probs: chex.Array,
         _check(where, chex.assert_equal_shape, [student_log_probs, teacher_log_probs])
         kl = reverse_kl_from_log_probs(student_log_probs, _sg(_as_float(teacher_log_probs)))
     else:
-        if targets is not None:
-            raise ValueError(f"{where}: the sampled_reverse_kl metric (targets) needs the teacher's whole "
-                             "log-softmax, not its top K")
+        if targets is not None and teacher_target_log_probs is None:
+            raise ValueError(f"{where}: with top-K teacher values the sampled_reverse_kl metric (targets) needs "
+                             "teacher_target_log_probs")
         _check(where, chex.assert_rank, teacher_ids, 3)
         _check(where, chex.assert_equal_shape_prefix, [teacher_ids, mask], 2)
         if teacher_log_probs.shape[-1] != teacher_ids.shape[-1] + 1:
@@ -360,8 +361,10 @@ def exact_opd_loss(student_log_probs: chex.Array, teacher_log_probs: chex.Array,
     if targets is not None:
         _check(where, chex.assert_equal_shape, [targets, mask])
         index = jnp.asarray(targets)[..., None]
-        log_ratio = (jnp.take_along_axis(_as_float(student_log_probs), index, axis=-1)
-                     - jnp.take_along_axis(_as_float(teacher_log_probs), index, axis=-1))[..., 0]
+        if teacher_target_log_probs is None:
+            teacher_target_log_probs = jnp.take_along_axis(_as_float(teacher_log_probs), index, axis=-1)[..., 0]
+        log_ratio = (jnp.take_along_axis(_as_float(student_log_probs), index, axis=-1)[..., 0]
+                     - _as_float(teacher_target_log_probs))
         metrics["sampled_reverse_kl"] = _masked_mean(_sg(log_ratio), mask)
     return loss, metrics
 

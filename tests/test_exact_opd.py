@@ -256,6 +256,10 @@ def test_top_k_refusals(setup):  # noqa: F811
         build_config("vanilla-opd", preset="cpu", exact_top_k=8)
     with pytest.raises(ValueError, match="pass dense=True"):
         make_teacher_scorer(setup["graphdef"], None, make_mesh(1, 1), max_supervised_tokens=8, top_k=4)
+    values, ids = losses.top_k_with_rest(jnp.zeros((1, 2, 8)), 3)
+    with pytest.raises(ValueError, match="needs teacher_target_log_probs"):
+        losses.exact_opd_loss(jnp.zeros((1, 2, 8)), values, jnp.ones((1, 2)), teacher_ids=ids,
+                              targets=jnp.zeros((1, 2), jnp.int32))
     with pytest.raises(ValueError, match=r"k must be in \[1, 64\)"):
         losses.top_k_with_rest(jnp.zeros((2, 64)), 64)
     config = LossConfig(kind="opd-exact", max_supervised_tokens=16, exact_top_k=4)

@@ -476,14 +476,11 @@ def _exact_opd_loss(model: Qwen3, batch: TrainBatch, config: LossConfig) -> tupl
                          f"values {expected[:2] + (k + 1,)} at the batch's supervised positions, but the batch has "
                          f"{tuple(ids.shape)} and {tuple(teacher.shape)}; score it with "
                          f"make_teacher_scorer(..., dense=True, top_k={k})")
-    loss, metrics = losses.exact_opd_loss(student, teacher, valid, teacher_ids=ids,
+    # the sampled estimate's teacher side: the token log-probs the scorer also returns
+    loss, metrics = losses.exact_opd_loss(student, teacher, valid, teacher_ids=ids, targets=targets,
+                                          teacher_target_log_probs=jnp.take_along_axis(batch.teacher_logp, order,
+                                                                                       axis=1),
                                           aggregation=config.resolved_aggregation)
-    # the sampled estimate from the teacher's token log-probs, which the scorer also returns
-    sampled = jnp.take_along_axis(student, targets[..., None], axis=-1)[..., 0] - jnp.take_along_axis(
-        batch.teacher_logp, order, axis=1)
-    valid_f = valid.astype(jnp.float32)
-    metrics = {**metrics, "sampled_reverse_kl": jax.lax.stop_gradient(
-        jnp.sum(sampled * valid_f) / jnp.maximum(jnp.sum(valid_f), 1.0))}
     return loss, dict(metrics)
 
 
