@@ -16,26 +16,8 @@
 # STI-OPD was stopped 4 s into its start-up, before its first update, so that the evaluations had the cores by the
 # session's end; it was not run this stop. The runs wrote this script's training command out in full, the same flags
 # as opd.sh's (each run's exact command is in its summary.json); it now calls opd.sh with EVALUATE=0.
+# The loop is stop52/queue.sh's (which takes a rate per run); this script gives each run stop 50's 3e-5.
 cd "$(dirname "$0")/../../.."
-py=${PYTHON:-.venv/bin/python}
-models=results/train/stop49/models   # the same folders, committed; used where runs/ has none
-student=${STUDENT:-runs/sub800-hf}; [ -n "$STUDENT" ] || [ -d $student ] || student=$models/sub800-hf
-teacher=${TEACHER:-runs/sub2800-hf}; [ -n "$TEACHER" ] || [ -d $teacher ] || teacher=$models/sub2800-hf
-wait_for() {  # until process $1 has ended
-  [ -n "$1" ] && while kill -0 $1 2>/dev/null; do sleep 20; done
-}
-wait_for "$TRAIN_WAIT_PID"
-prev=$WAIT_PID
-while [ $# -ge 4 ]; do
-  name=$1; m=$2; updates=$3; extra=$4; shift 4
-  if [ "$updates" != 0 ]; then
-    echo "train $name: $(date)"
-    STUDENT=$student TEACHER=$teacher EVALUATE=0 bash results/train/stop48/opd.sh $m 3e-5 $updates $name $extra \
-      > runs/opd50-$name.log 2>&1
-    echo "trained $name ($?): $(date)"
-  fi
-  ( wait_for $prev; bash results/train/stop48/evaluate.sh runs/opd48/$name-hf opd48-$name \
-      > runs/opd50-eval-$name.log 2>&1; echo "evaluated $name ($?): $(date)" ) &
-  prev=$!
-done
-wait
+runs=()
+while [ $# -ge 4 ]; do runs+=("$1" "$2" 3e-5 "$3" "$4"); shift 4; done
+LOG=opd50 exec bash results/train/stop52/queue.sh "${runs[@]}"

@@ -7,7 +7,8 @@
 #   bash results/train/stop52/queue.sh NAME METHOD LR UPDATES "EXTRA FLAGS" [NAME METHOD LR UPDATES "EXTRA" ...]
 #     -> runs/opd48/NAME, runs/opd48/NAME-hf, runs/eval/opd48-NAME; logs runs/opd52-NAME.log, runs/opd52-eval-NAME.log
 # UPDATES 0: the export runs/opd48/NAME-hf exists or is being made by process TRAIN_WAIT_PID; only evaluate it.
-# The first training starts when process TRAIN_WAIT_PID has ended.
+# The first training starts when process TRAIN_WAIT_PID has ended, the first evaluation when WAIT_PID has.
+# LOG (default opd52) names the logs; stop50/queue.sh calls this script with LOG=opd50 and its rate.
 # The stop's runs (STI-OPD itself trained first through
 # STUDENT=runs/sub800-hf EVALUATE=0 bash results/train/stop48/opd.sh sti 3e-5 40 sti-from800):
 #   TRAIN_WAIT_PID=<sti's opd.sh> bash results/train/stop52/queue.sh sti-from800 sti 3e-5 0 "" \
@@ -22,17 +23,18 @@ wait_for() {  # until process $1 has ended
   [ -n "$1" ] && while kill -0 $1 2>/dev/null; do sleep 20; done
 }
 wait_for "$TRAIN_WAIT_PID"
-prev=""
+prev=$WAIT_PID
+log=${LOG:-opd52}
 while [ $# -ge 5 ]; do
   name=$1; m=$2; lr=$3; updates=$4; extra=$5; shift 5
   if [ "$updates" != 0 ]; then
     echo "train $name: $(date)"
     STUDENT=$student TEACHER=$teacher EVALUATE=0 bash results/train/stop48/opd.sh $m $lr $updates $name $extra \
-      > runs/opd52-$name.log 2>&1
+      > runs/$log-$name.log 2>&1
     echo "trained $name ($?): $(date)"
   fi
   ( wait_for $prev; echo "evaluate $name: $(date)"; bash results/train/stop48/evaluate.sh runs/opd48/$name-hf \
-      opd48-$name > runs/opd52-eval-$name.log 2>&1; echo "evaluated $name ($?): $(date)" ) &
+      opd48-$name > runs/$log-eval-$name.log 2>&1; echo "evaluated $name ($?): $(date)" ) &
   prev=$!
 done
 wait
