@@ -18,6 +18,8 @@ import multiprocessing
 import os
 import pickle
 import re
+import threading
+from collections.abc import Mapping as MappingABC
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -519,6 +521,91 @@ def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], 
             raise ReferenceBuildError(f"{task.task_id}: reference missing from {str(cache_dir)!r} after building")
         references[task.task_id] = reference
     return references
+
+
+
+class LazyReferences(MappingABC):
+    """The references of ``tasks``, each built (or read from ``cache_dir``) when first asked for: a training run
+    draws a few of a split's tasks, and ScienceWorld's train split has 2,300, whose shortened gold paths take tens
+    of seconds each to replay, so building every one before the first update would take many hours.
+
+    A read-only mapping from task id to ``ReferenceTrajectory`` (the same records and cache as
+    ``build_references`` with the same options). Safe to use from several threads: cached references are read
+    concurrently, builds run one at a time in one environment of its own (made from ``env_factory`` on the first
+    build; ``close()`` closes it). A task whose reference cannot be built raises ``ReferenceBuildError`` naming it
+    (a recorded failure is not retried); an environment error raises it too, and the next build starts a fresh
+    environment. ``built`` counts the references built here, ``read`` those found in the cache."""
+
+    def __init__(self, env_factory: Callable[[], TextEnv], tasks: Iterable[Task], cache_dir: str | os.PathLike, *,
+                 shorten: bool | None = None, max_trials: int | None = 32, kind: str = "solution",
+                 expert_max_turns: int | None = None):
+        self._tasks = {task.task_id: task for task in tasks}
+        self._env_factory = env_factory
+        self._cache_dir = Path(cache_dir)
+        self._cache_dir.mkdir(parents=True, exist_ok=True)
+        self._options = _Options(shorten, max_trials, check_kind(kind), expert_max_turns)
+        self._memo: dict[str, ReferenceTrajectory] = {}
+        self._lock = threading.Lock()           # the memo
+        self._build_lock = threading.Lock()     # the environment, one build at a time
+        self._env: TextEnv | None = None
+        self.built = 0
+        self.read = 0
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def __iter__(self):
+        return iter(self._tasks)
+
+    def __contains__(self, task_id: object) -> bool:
+        return task_id in self._tasks
+
+    def __getitem__(self, task_id: str) -> ReferenceTrajectory:
+        task = self._tasks[task_id]                      # KeyError: not one of this run's tasks
+        with self._lock:
+            if task_id in self._memo:
+                return self._memo[task_id]
+        fingerprint = self._options.fingerprint(task)
+        reference = _cached(self._cache_dir, task_id, fingerprint)
+        if reference is not None:
+            return self._remember(task_id, reference, built=False)
+        with self._build_lock:
+            with self._lock:
+                if task_id in self._memo:                # built by another thread meanwhile
+                    return self._memo[task_id]
+            reason = _cached_failure(self._cache_dir, task_id, fingerprint)
+            if reason is None:
+                if self._env is None:
+                    self._env = self._env_factory()
+                _, reason = _build_and_save(self._env, task, str(self._cache_dir), self._options)
+                if reason is not None and _cached_failure(self._cache_dir, task_id, fingerprint) is None:
+                    self._close_env()      # an engine error (not recorded): the environment may be unusable
+            if reason is not None:
+                raise ReferenceBuildError(f"no reference for {task_id}: {reason}")
+            reference = _cached(self._cache_dir, task_id, fingerprint)
+            if reference is None:
+                raise ReferenceBuildError(f"{task_id}: reference missing from {str(self._cache_dir)!r} after building")
+            return self._remember(task_id, reference, built=True)
+
+    def _remember(self, task_id: str, reference: ReferenceTrajectory, *, built: bool) -> ReferenceTrajectory:
+        with self._lock:
+            if task_id not in self._memo:
+                self._memo[task_id] = reference
+                if built:
+                    self.built += 1
+                else:
+                    self.read += 1
+            return self._memo[task_id]
+
+    def _close_env(self) -> None:
+        env, self._env = self._env, None
+        if env is not None:
+            env.close()
+
+    def close(self) -> None:
+        """Close the environment used for building (a later build makes a new one)."""
+        with self._build_lock:
+            self._close_env()
 
 
 def _package_version(name: str) -> str:

@@ -132,6 +132,80 @@ def test_build_references_argument_errors(tmp_path):
     assert built["toy/0"].actions == ("focus on x", "take x", "put x") and built["toy/0"].source == "walkthrough"
 
 
+
+class ManyToys(ToyEnv):
+    """ToyEnv with several tasks; "toy/bad"'s walkthrough never wins. Counts the environments made and closed."""
+
+    made, closed = [], []
+
+    def __init__(self):
+        super().__init__(["look around", "focus on x", "take x", "put x"])
+        ManyToys.made.append(self)
+
+    def walkthrough(self, task):
+        return ["take x"] if task.task_id == "toy/bad" else list(self.solution)
+
+    def close(self):
+        ManyToys.closed.append(self)
+
+
+def test_lazy_references_build_on_first_use_once_and_equal_the_eager_ones(tmp_path):
+    ManyToys.made, ManyToys.closed = [], []
+    tasks = [Task("toy", "train", f"toy/{name}", "toy") for name in ("a", "b", "c", "bad")]
+    lazy = refs.LazyReferences(ManyToys, tasks, tmp_path / "cache")
+    assert len(lazy) == 4 and list(lazy) == ["toy/a", "toy/b", "toy/c", "toy/bad"] and "toy/b" in lazy
+    assert ManyToys.made == []                              # nothing is built before it is asked for
+    a = lazy["toy/a"]
+    assert a.actions == ("look around", "focus on x", "take x", "put x") and a.source == "walkthrough"
+    assert lazy["toy/a"] is a and (lazy.built, lazy.read) == (1, 0)
+    assert len(ManyToys.made) == 1 and ManyToys.made[0].resets == 1      # one replay of one walkthrough
+    assert sorted(p.name.split(".")[0] for p in (tmp_path / "cache").iterdir()) == ["toy__a"]
+    with pytest.raises(KeyError):
+        lazy["toy/z"]                                       # not one of the run's tasks
+    assert lazy.get("toy/z") is None
+
+    # several threads asking for the same task build it once
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: lazy["toy/b"], range(8)))
+    assert all(g is got[0] for g in got) and (lazy.built, lazy.read) == (2, 0)
+    assert len(ManyToys.made) == 1                          # builds share one environment
+
+    # a task whose reference fails names it, and the recorded failure is not replayed again
+    with pytest.raises(refs.ReferenceBuildError, match="no reference for toy/bad: .*did not reach success"):
+        lazy["toy/bad"]
+    resets = ManyToys.made[0].resets
+    with pytest.raises(refs.ReferenceBuildError, match="toy/bad"):
+        lazy.get("toy/bad")                                 # Mapping.get passes on everything but KeyError
+    assert ManyToys.made[0].resets == resets
+    lazy.close()
+    assert ManyToys.closed == ManyToys.made
+
+    # the same cache as build_references: a new mapping reads what was built, and equals the eager build
+    again = refs.LazyReferences(ManyToys, tasks, tmp_path / "cache")
+    assert again["toy/a"] == a and (again.built, again.read) == (0, 1) and len(ManyToys.made) == 1
+    eager = refs.build_references(ManyToys, tasks[:3], tmp_path / "eager")
+    assert {t.task_id: again[t.task_id] for t in tasks[:3]} == eager
+
+
+def test_lazy_references_start_a_fresh_environment_after_an_engine_error(tmp_path):
+    from envs.base import EnvError
+
+    class Flaky(ManyToys):
+        def reset(self, task):
+            if len(ManyToys.made) == 1:
+                raise EnvError("the engine died")
+            return super().reset(task)
+
+    ManyToys.made, ManyToys.closed = [], []
+    lazy = refs.LazyReferences(Flaky, [Task("toy", "train", "toy/a", "toy")], tmp_path)
+    with pytest.raises(refs.ReferenceBuildError, match="no reference for toy/a: EnvError: the engine died"):
+        lazy["toy/a"]
+    assert ManyToys.closed == ManyToys.made                 # the broken environment was closed
+    assert not list(tmp_path.glob("*.failed.json"))         # an engine error is not recorded as the task's failure
+    assert lazy["toy/a"].actions[-1] == "put x" and len(ManyToys.made) == 2
+
+
 # --------------------------------------------------------------------------------------------- ALFWorld
 
 

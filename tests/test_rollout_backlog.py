@@ -136,3 +136,49 @@ def test_backlog_config():
     assert build_config("vanilla-opd", preset="cpu", rollout_backlog=40).backlog_limit() == 40
     with pytest.raises(ValueError, match="rollout_backlog must be a non-negative integer"):
         build_config("vanilla-opd", preset="cpu", rollout_backlog=-1)
+
+
+def test_a_task_whose_reference_fails_fails_its_episode_and_the_runners_go_on():
+    """``task_at`` builds a task's reference on first use (``envs.references.LazyReferences``); when that raises,
+    the episode is reported failed with the error and the runner thread plays the next task."""
+    from envs.references import ReferenceBuildError
+
+    class Plain:
+        def run_episode(self, slot, task, reference, *, seed):
+            return f"episode {seed}"
+
+    def task_at(index):
+        if index == 1:
+            raise ReferenceBuildError("no reference for task 1: replay did not reach success")
+        return None, None, index
+
+    runners = _Runners(Plain(), 1, task_at, 0)
+    try:
+        runners.resume()
+        got = [runners.results.get(timeout=10) for _ in range(3)]
+    finally:
+        runners.close()
+    assert [(f.index, f.trajectory) for f in got] == [(0, "episode 0"), (1, None), (2, "episode 2")]
+    assert got[1].error == "ReferenceBuildError: no reference for task 1: replay did not reach success"
+
+
+def test_sync_waves_leave_out_a_task_whose_reference_fails():
+    """The sync and collection path (``Trainer._picks``): the failing task is logged and left out of the wave,
+    the others keep their order, and the failure is what a run that stalls reports."""
+    from envs.references import ReferenceBuildError
+    from jaxopd.methods.loop import Trainer
+
+    trainer = object.__new__(Trainer)
+    logged: list[str] = []
+    trainer.log, trainer._last_failure = logged.append, None
+
+    def task_at(index):
+        if index == 5:
+            raise ReferenceBuildError("no reference for task 5: replay did not reach success")
+        return f"task {index}", None, index
+
+    trainer._task_at = task_at
+    assert trainer._picks(range(4, 7)) == [("task 4", None, 4), ("task 6", None, 6)]
+    assert logged == ["training episode 5 failed: ReferenceBuildError: no reference for task 5: replay did not "
+                      "reach success"]
+    assert trainer._last_failure == "ReferenceBuildError: no reference for task 5: replay did not reach success"

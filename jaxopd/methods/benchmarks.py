@@ -132,5 +132,13 @@ def references_for(source: BenchmarkSource, tasks: Sequence[Task], *, workers: i
                             allow_failures=kind == "searching_expert", failures=failures)
 
 
+
+def lazy_references_for(source: BenchmarkSource, tasks: Sequence[Task], *, kind: str = "solution") -> Any:
+    """The references of ``tasks`` as ``envs.references.LazyReferences``: each built (or read from the same cache
+    as ``references_for``) when a run first draws its task, instead of all of them before the first update."""
+    from envs.references import LazyReferences
+    return LazyReferences(source.env_factory, tasks, source.reference_cache_of(kind), kind=kind)
+
 __all__ = ["BENCHMARKS", "GAME_SOURCES", "TRAIN_SPLIT", "EVAL_SPLITS", "BenchmarkError", "GeneratedCounts",
-           "BenchmarkSource", "resolve_source", "subset", "references_for"]
+           "BenchmarkSource", "resolve_source", "subset", "references_for",
+           "lazy_references_for"]

@@ -7,7 +7,9 @@ tasks with the method's strategy on the student's paged-KV engine and stream fin
 fresh samples, fills the teacher's log-probabilities on the teacher mesh, runs the jitted train step on the
 trainer mesh, and syncs the new weights to the rollout engine after every update (responses record the
 version they were sampled with). ActionOPD instead collects ``collection_tasks`` task starts with one
-behaviour snapshot and trains one epoch of minibatches over them (its App. A.4).
+behaviour snapshot and trains one epoch of minibatches over them (its App. A.4). ActFirst-OPD's reference
+trajectories are built as the run first draws their tasks (``envs.references.LazyReferences``, cached across
+runs), not all before the first update; a task whose reference cannot be built fails its episode only.
 
 Checkpoints (orbax: train state + buffer + cursor) are written every ``checkpoint_every`` updates at the moment
 the next batch is already buffered, so a resumed run takes exactly the batch an uninterrupted one would have
@@ -26,16 +28,17 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 
 from envs.base import Task
+from envs.references import LazyReferences, ReferenceBuildError
 from jaxopd.methods import registry
 from jaxopd.methods.base import Method, RolloutResources
-from jaxopd.methods.benchmarks import TRAIN_SPLIT, BenchmarkSource, references_for, subset
+from jaxopd.methods.benchmarks import TRAIN_SPLIT, BenchmarkSource, lazy_references_for, subset
 from jaxopd.methods.config import RunConfig
 from jaxopd.methods.metrics_log import MetricsWriter
 from jaxopd.models.qwen3 import Qwen3
@@ -206,8 +209,8 @@ class _Runners:
                 self.max_busy = max(self.max_busy, self._busy)
                 self._in_flight.add(index)
             try:
-                task, reference, seed = self.task_at(index)
-                try:
+                try:     # the task's reference may be built here, and fail: that episode fails, not the runner
+                    task, reference, seed = self.task_at(index)
                     trajectory = self.strategy.run_episode(slot, task, reference, seed=seed)
                     finished = _Finished(index, trajectory)
                 except Exception as error:  # noqa: BLE001 - one failed episode never stops the run
@@ -331,8 +334,8 @@ class Trainer:
             raise ValueError("no training tasks")
         self._orders: dict[int, np.ndarray] = {}
         self.references = self._references_override
-        if method.needs_references and self.references is None:
-            self.references = references_for(self.source, self.tasks, progress=self.progress)
+        if method.needs_references and self.references is None:   # built as the run draws their tasks
+            self.references = lazy_references_for(self.source, self.tasks)
 
         from envs.pool import EnvPool
         engine = Engine(self.student, engine_config_for(config, method), tokenizer=self.tokenizer,
@@ -394,13 +397,13 @@ class Trainer:
                                    "the teacher or the student cannot act in this format"
                                    if method.trains_in_collections else f"; last failure: {self._last_failure}"))
                         start = int(meta["cursor"])
-                        picks = [self._task_at(i) for i in range(start, start + wave)]
+                        picks = self._picks(range(start, start + wave))
                         trajectories = self._collect(strategy, picks)
                         meta["cursor"] = start + wave
                         collection = int(meta["collections"])
                         meta["collections"] = collection + 1
                         meta["episodes"] += len(trajectories)
-                        meta["failed_episodes"] += len(picks) - len(trajectories)
+                        meta["failed_episodes"] += wave - len(trajectories)
                         pending.extend(trajectories)
                         before = buffer.available(version)
                         buffer.add(self._fit(method.samples(trajectories, collection_id=collection)))
@@ -467,6 +470,8 @@ class Trainer:
                           "buffer": len(buffer), "dropped_stale": buffer.stats.dropped_stale,
                           "dropped_too_long": self._too_long,
                           "episodes": meta["episodes"], "failed_episodes": meta["failed_episodes"]}
+                if isinstance(self.references, LazyReferences):     # references this process built / read
+                    record.update(references_built=self.references.built, references_read=self.references.read)
                 pending = []
                 if not all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm")):
                     raise FloatingPointError(f"update {version}: non-finite loss or gradient {metrics}")
@@ -494,6 +499,8 @@ class Trainer:
         finally:
             if runners is not None:
                 runners.close()
+            if isinstance(self.references, LazyReferences):
+                self.references.close()
             writer.close()
             checkpointer.close()
             pool.close()
@@ -512,10 +519,24 @@ class Trainer:
         self._too_long += len(samples) - len(kept)
         return kept
 
+    def _picks(self, indices: Iterable[int]) -> list[tuple[Task, Any, int]]:
+        """The training tasks at ``indices`` with their references and seeds; a task whose reference cannot be
+        built is logged and left out (its episode counts as failed)."""
+        picks = []
+        for index in indices:
+            try:
+                picks.append(self._task_at(index))
+            except ReferenceBuildError as error:
+                self._last_failure = f"{type(error).__name__}: {error}"
+                self.log(f"training episode {index} failed: {self._last_failure}")
+        return picks
+
     def _collect(self, strategy: Any, picks: Sequence[tuple[Task, Any, int]]) -> list[Trajectory]:
         """One ActionOPD collection or sync wave: every pick played once, ``rollout_slots`` at a time
         (``RolloutStrategy.play``); the trajectories come back in pick order, failed episodes are logged and
         counted by the caller."""
+        if not picks:
+            return []
         references = {task.task_id: reference for task, reference, _ in picks if reference is not None}
         outcomes = strategy.play([task for task, _, _ in picks], references, seeds=[seed for _, _, seed in picks])
         for outcome in outcomes:
