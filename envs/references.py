@@ -523,7 +523,6 @@ def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], 
     return references
 
 
-
 class LazyReferences(MappingABC):
     """The references of ``tasks``, each built (or read from ``cache_dir``) when first asked for: a training run
     draws a few of a split's tasks, and ScienceWorld's train split has 2,300, whose shortened gold paths take tens

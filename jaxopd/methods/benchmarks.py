@@ -14,10 +14,13 @@ import functools
 import os
 import random
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from envs import alfworld_gen
 from envs.base import Task, TextEnv
+
+if TYPE_CHECKING:
+    from envs.references import LazyReferences
 
 BENCHMARKS = ("alfworld", "scienceworld")
 GAME_SOURCES = ("auto", "generated", "official")
@@ -132,12 +135,13 @@ def references_for(source: BenchmarkSource, tasks: Sequence[Task], *, workers: i
                             allow_failures=kind == "searching_expert", failures=failures)
 
 
-
-def lazy_references_for(source: BenchmarkSource, tasks: Sequence[Task], *, kind: str = "solution") -> Any:
+def lazy_references_for(source: BenchmarkSource, tasks: Sequence[Task], *,
+                        kind: str = "solution") -> LazyReferences:
     """The references of ``tasks`` as ``envs.references.LazyReferences``: each built (or read from the same cache
     as ``references_for``) when a run first draws its task, instead of all of them before the first update."""
     from envs.references import LazyReferences
     return LazyReferences(source.env_factory, tasks, source.reference_cache_of(kind), kind=kind)
+
 
 __all__ = ["BENCHMARKS", "GAME_SOURCES", "TRAIN_SPLIT", "EVAL_SPLITS", "BenchmarkError", "GeneratedCounts",
            "BenchmarkSource", "resolve_source", "subset", "references_for",
