@@ -42,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="runs per batch size (the median step is reported)")
     p.add_argument("--model", default="negligible",
-                   help="'negligible' (hidden 32, 1 layer, vocab 256) or a jaxopd Qwen3 preset name")
+                   help="'negligible' (hidden 32, 1 layer, vocab 256) or a jaxopd model preset name")
     p.add_argument("--dtype", default=None, help="model dtype (default: the backend's)")
     p.add_argument("--label", default=None, help="a name for this run in the JSON (e.g. before / after)")
     p.add_argument("--out", default="results/bench/engine_overhead.json")
@@ -52,16 +52,16 @@ def parse_args(argv=None):
 def make_model(name: str, dtype: str | None):
     from flax import nnx
 
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.models.decoder import CausalLM, ModelConfig
 
     if name == "negligible":
-        cfg = Qwen3Config(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+        cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                           intermediate_size=64, vocab_size=256, max_position_embeddings=4096)
         if dtype:
             cfg = cfg.with_dtypes(dtype)
     else:
-        cfg = Qwen3Config.preset(name, dtype=dtype)
-    return Qwen3(cfg, rngs=nnx.Rngs(0))
+        cfg = ModelConfig.preset(name, dtype=dtype)
+    return CausalLM(cfg, rngs=nnx.Rngs(0))
 
 
 class StepClock:

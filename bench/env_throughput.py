@@ -46,8 +46,8 @@ STRATEGY_NAMES = ("vanilla", "actfirst")
 
 def parse_args(argv=None):
     p = cli.Parser(prog="python -m bench.env_throughput", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="Qwen3 architecture preset of the random model (default tiny)")
-    p.add_argument("--weights", default=None, help="a Hugging Face Qwen3 folder (default: random weights)")
+    p.add_argument("--model", default="tiny", help="architecture preset of the random model (default tiny)")
+    p.add_argument("--weights", default=None, help="a Hugging Face model folder (default: random weights)")
     p.add_argument("--episodes", type=int, default=8, help="concurrent episodes (distinct games) per rollout")
     p.add_argument("--max-turns", type=int, default=6, help="interaction limit per episode")
     p.add_argument("--full-tokens", type=int, default=128,
@@ -117,15 +117,15 @@ def build_model(model_name: str, weights: str | None, *, seed: int = 0):
     """(model, tokenizer, description). Random weights use the tokenizer's vocabulary size (no padding rows)."""
     from flax import nnx
 
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config, count_params
+    from jaxopd.models.decoder import CausalLM, ModelConfig, count_params
     from jaxopd.tokenizer import QWEN3_VOCAB_SIZE, load_tokenizer
 
     if weights:
-        from jaxopd.models.weights import load_qwen3
-        model, name = load_qwen3(weights), Path(weights).name
+        from jaxopd.models.weights import load_model
+        model, name = load_model(weights), Path(weights).name
     else:
-        config = dataclasses.replace(Qwen3Config.preset(model_name), vocab_size=QWEN3_VOCAB_SIZE)
-        model, name = Qwen3(config, rngs=nnx.Rngs(seed)), model_name
+        config = dataclasses.replace(ModelConfig.preset(model_name), vocab_size=QWEN3_VOCAB_SIZE)
+        model, name = CausalLM(config, rngs=nnx.Rngs(seed)), model_name
     _, state = nnx.split(model)
     info = {"name": name, "weights": weights, "random_weights": not weights, "num_params": count_params(state),
             "dtype": model.config.dtype, "vocab_size": model.config.vocab_size}

@@ -726,14 +726,14 @@ def build_micro_engine(*, seed: int = 0, **config_overrides):
     Qwen3 tokenizer)."""
     from flax import nnx
 
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.models.decoder import CausalLM, ModelConfig
     from jaxopd.sampler import Engine
     from jaxopd.tokenizer import QWEN3_VOCAB_SIZE, Qwen3Tokenizer
 
-    config = Qwen3Config(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+    config = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
                          intermediate_size=32, vocab_size=QWEN3_VOCAB_SIZE, dtype="float32", param_dtype="float32")
     tokenizer = Qwen3Tokenizer()
-    engine = Engine(Qwen3(config, rngs=nnx.Rngs(seed)), micro_engine_config(**config_overrides), tokenizer=tokenizer)
+    engine = Engine(CausalLM(config, rngs=nnx.Rngs(seed)), micro_engine_config(**config_overrides), tokenizer=tokenizer)
     return engine, tokenizer
 
 

@@ -33,13 +33,13 @@ def child(args) -> dict:
     from flax import nnx
 
     from jaxopd.host_malloc import tune_malloc
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.models.decoder import CausalLM, ModelConfig
     from bench.common import sft_train_step
     from jaxopd.train.buffer import Sample, collate_samples
     from jaxopd.train.step import LossConfig, place_batch
 
     tuned = tune_malloc()
-    model = Qwen3(Qwen3Config.preset("tiny"), rngs=nnx.Rngs(0))
+    model = CausalLM(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     vocab = tuple(range(1000, 1300))
     samples = []

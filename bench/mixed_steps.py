@@ -30,7 +30,7 @@ from jaxopd.machine import machine_info
 
 def parse_args(argv=None):
     p = cli.Parser(prog="python -m bench.mixed_steps", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="jaxopd Qwen3 preset (random weights)")
+    p.add_argument("--model", default="tiny", help="jaxopd model preset (random weights)")
     p.add_argument("--backend", default="auto", help="attention backend (auto: the platform's default)")
     p.add_argument("--slots", type=int, default=16, help="max_slots = concurrency (b_max)")
     p.add_argument("--requests", type=int, default=64)
@@ -92,11 +92,11 @@ def main(argv=None):
     import jax
     from flax import nnx
 
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.models.decoder import CausalLM, ModelConfig
     from jaxopd.sampler import Engine, EngineConfig
 
     dtype = "float32" if jax.default_backend() == "cpu" else None
-    model = Qwen3(Qwen3Config.preset(args.model, dtype=dtype), rngs=nnx.Rngs(0))
+    model = CausalLM(ModelConfig.preset(args.model, dtype=dtype), rngs=nnx.Rngs(0))
     requests = make_requests(args, model.config.vocab_size)
     seq = args.prompt_len + args.new_tokens
     base = EngineConfig(max_slots=args.slots, page_size=16, num_pages=args.slots * (seq // 16 + 2) + 1,

@@ -51,8 +51,8 @@ STRATEGY_NAMES = ("vanilla", "actfirst", "sti", "actionopd")
 
 def parse_args(argv=None):
     p = cli.Parser(prog="python -m bench.rollout_quality", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="Qwen3 architecture preset of the random models (default tiny)")
-    p.add_argument("--weights", default=None, help="the student's Hugging Face Qwen3 folder (default: random)")
+    p.add_argument("--model", default="tiny", help="architecture preset of the random models (default tiny)")
+    p.add_argument("--weights", default=None, help="the student's Hugging Face model folder (default: random)")
     p.add_argument("--teacher-weights", default=None, help="the teacher's folder (default: random, another seed)")
     p.add_argument("--tasks", type=int, default=16, help="generated ALFWorld train games, one episode each")
     p.add_argument("--max-turns", type=int, default=8, help="interaction limit (the paper: 30)")

@@ -57,9 +57,9 @@ def make_checkpoint(preset: str, folder: Path):
     from transformers import Qwen3Config as HFConfig
     from transformers import Qwen3ForCausalLM
 
-    from jaxopd.models.qwen3 import Qwen3Config
+    from jaxopd.models.decoder import ModelConfig
 
-    cfg = Qwen3Config.preset(preset, dtype="float32")
+    cfg = ModelConfig.preset(preset, dtype="float32")
     torch.manual_seed(0)
     hf = Qwen3ForCausalLM(HFConfig(**{k: v for k, v in cfg.to_hf_dict().items()
                                       if k not in ("architectures", "model_type", "torch_dtype")})).eval()
@@ -138,7 +138,7 @@ def main(argv=None):
 
     import kernels
     from bench.engine_overhead import StepClock
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.models.decoder import CausalLM, ModelConfig
     from jaxopd.sampler import Engine, EngineConfig
     from jaxopd.sampler import executor as executor_module
     from jaxopd.sampler.buckets import bucket
@@ -152,12 +152,12 @@ def main(argv=None):
     hf = None
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else None)
     if args.random_init:
-        model = Qwen3(Qwen3Config.preset(args.model, dtype=dtype), rngs=nnx.Rngs(0))
+        model = CausalLM(ModelConfig.preset(args.model, dtype=dtype), rngs=nnx.Rngs(0))
     else:
-        from jaxopd.models.weights import load_qwen3
+        from jaxopd.models.weights import load_model
         with tempfile.TemporaryDirectory() as tmp:
             hf = make_checkpoint(args.model, Path(tmp))
-            model = load_qwen3(tmp, dtype=dtype)
+            model = load_model(tmp, dtype=dtype)
     cfg = model.config
     weight_bytes = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model))))
     vocab = cfg.vocab_size

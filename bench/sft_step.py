@@ -26,7 +26,7 @@ from jaxopd.machine import machine_info
 
 def parse_args(argv=None):
     p = cli.Parser(prog="python -m bench.sft_step", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="jaxopd Qwen3 preset (random weights; the recipe's is tiny)")
+    p.add_argument("--model", default="tiny", help="jaxopd model preset (random weights; the recipe's is tiny)")
     p.add_argument("--thinking", default="task-tool-act-here", help="SFT thinking of the corpus")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--window", type=int, default=32, help="group_by_length: batches per sorted window")
@@ -69,7 +69,7 @@ def main(argv=None):
     from jaxopd.methods.loop import batch_length
     from jaxopd.methods.sft import corpus_vocabulary
     from jaxopd.methods.sft_data import SFTDataset
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.models.decoder import CausalLM, ModelConfig
     from jaxopd.train.buffer import collate_samples
     from jaxopd.train.step import LossConfig, place_batch
 
@@ -84,7 +84,7 @@ def main(argv=None):
         length = batch_length(max(len(s) for s in batch), config.max_train_tokens)
         return collate_samples(batch, batch_size=args.batch_size, length=length)
 
-    model = Qwen3(Qwen3Config.preset(args.model), rngs=nnx.Rngs(0))
+    model = CausalLM(ModelConfig.preset(args.model), rngs=nnx.Rngs(0))
     loss_config = LossConfig(kind="sft", temperature=1.0, max_supervised_tokens=args.max_supervised_tokens,
                              context_lm_weight=1.0, context_vocab=corpus_vocabulary(samples))
     train_step, state, rows = sft_train_step(model, loss_config)

@@ -71,7 +71,7 @@ def build_parser():
     p.add_argument("--slots", type=int, default=4, help="concurrent episodes (runner threads; default 4)")
     p.add_argument("--seed", type=int, default=0, help="task order and the requests' sampling seeds")
     p.add_argument("--sample-every", type=int, default=50, help="episodes per chunk between samples")
-    p.add_argument("--model", default="tiny", help="Qwen3 architecture preset of the random model (default tiny)")
+    p.add_argument("--model", default="tiny", help="architecture preset of the random model (default tiny)")
     p.add_argument("--fast-tokens", type=int, default=8, help="action-only request limit (default 8)")
     p.add_argument("--full-tokens", type=int, default=0,
                    help="asynchronous full responses of this many tokens per turn (default 0: none)")

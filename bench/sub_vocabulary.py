@@ -33,7 +33,7 @@ from jaxopd.machine import machine_info
 
 def parse_args(argv=None):
     p = cli.Parser(prog="python -m bench.sub_vocabulary", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny", help="jaxopd Qwen3 preset (random weights; the recipe's is tiny)")
+    p.add_argument("--model", default="tiny", help="jaxopd model preset (random weights; the recipe's is tiny)")
     p.add_argument("--thinking", default="task-tool-act-here", help="SFT thinking of the corpus")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--window", type=int, default=32, help="group_by_length: batches per sorted window")
@@ -73,7 +73,7 @@ def main(argv=None):
     from jaxopd.methods.loop import batch_length
     from jaxopd.methods.sft import corpus_vocabulary, to_sub_vocabulary
     from jaxopd.methods.sft_data import SFTDataset
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.models.decoder import CausalLM, ModelConfig
     from jaxopd.sampler.engine import Engine, EngineConfig
     from jaxopd.sampler.types import Request, SamplingParams
     from jaxopd.tokenizer import Qwen3Tokenizer
@@ -81,7 +81,7 @@ def main(argv=None):
     from jaxopd.train.step import LossConfig, place_batch
 
     config, samples = corpus(args)
-    full = Qwen3(Qwen3Config.preset(args.model), rngs=nnx.Rngs(0))
+    full = CausalLM(ModelConfig.preset(args.model), rngs=nnx.Rngs(0))
     sub, sub_samples, sub_tokenizer = to_sub_vocabulary(full, samples)
     arms = {"full vocabulary": (full, samples, Qwen3Tokenizer()),
             f"sub-vocabulary ({sub.config.vocab_size} ids)": (sub, sub_samples, sub_tokenizer)}

@@ -44,7 +44,7 @@ class Preset:
     depart from it (``departures``)."""
 
     name: str
-    model: str                          # Qwen3Config preset name (architecture; weights random unless given)
+    model: str                          # ModelConfig preset name (architecture; weights random unless given)
     tasks_per_batch: int                # N
     num_contexts: int                   # contexts sampled (the paper: 1,024)
     num_batches: int                    # batches timed per scan point (the paper: 64)
@@ -240,14 +240,14 @@ def engine_config_for(preset: Preset, contexts: Sequence[TaskContext], policy: s
 def build_model(model_name: str, weights: str | None):
     """The Qwen3 of ``weights`` (a Hugging Face folder) or a randomly initialised ``model_name``."""
     from flax import nnx
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.models.decoder import CausalLM, ModelConfig
 
     if weights:
-        from jaxopd.models.weights import load_qwen3
-        model = load_qwen3(weights)
+        from jaxopd.models.weights import load_model
+        model = load_model(weights)
         name = Path(weights).name
     else:
-        model = Qwen3(Qwen3Config.preset(model_name), rngs=nnx.Rngs(0))
+        model = CausalLM(ModelConfig.preset(model_name), rngs=nnx.Rngs(0))
         name = model_name
     return model, describe_model(model, name=name, weights=weights)
 
@@ -255,11 +255,11 @@ def build_model(model_name: str, weights: str | None):
 def describe_model(model, *, name: str, weights: str | None) -> dict[str, Any]:
     """What results.json records about the model; ``paper_architecture``: Qwen3-1.7B's shape (any dtype)."""
     from flax import nnx
-    from jaxopd.models.qwen3 import Qwen3Config, count_params
+    from jaxopd.models.decoder import ModelConfig, count_params
 
     _, state = nnx.split(model)
     cfg = model.config
-    paper = Qwen3Config.preset("qwen3-1.7b", dtype=cfg.dtype)
+    paper = ModelConfig.preset("qwen3-1.7b", dtype=cfg.dtype)
     same_shape = dataclasses.replace(cfg, max_position_embeddings=paper.max_position_embeddings) == paper
     return {"name": name, "num_params": count_params(state), "dtype": cfg.dtype, "weights": weights,
             "random_weights": not weights, "paper_architecture": same_shape,
@@ -519,8 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "jaxopd's sampler on ALFWorld initial contexts.")
     p.add_argument("--preset", default="auto", choices=["auto", *PRESETS],
                    help="auto: gpu-quick on GPU/TPU, cpu on CPU (default)")
-    p.add_argument("--model", default=None, help="Qwen3 architecture preset (default: the preset's)")
-    p.add_argument("--weights", default=None, help="Hugging Face Qwen3 folder (default: random weights)")
+    p.add_argument("--model", default=None, help="architecture preset (default: the preset's)")
+    p.add_argument("--weights", default=None, help="Hugging Face model folder (default: random weights)")
     p.add_argument("--policy", default="fifo", choices=POLICY_CHOICES,
                    help="engine admission policy: fifo (the paper's engine), fast-first, or both")
     p.add_argument("--contexts", type=int, default=None, help="number of contexts to sample")

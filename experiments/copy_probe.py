@@ -154,13 +154,13 @@ def starting_model(args: Any):
     """The full starting model: ``--init``'s folder, or the preset randomly initialised at ``--seed``."""
     from flax import nnx
 
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
-    from jaxopd.models.weights import CheckpointError, load_qwen3
+    from jaxopd.models.decoder import CausalLM, ModelConfig
+    from jaxopd.models.weights import CheckpointError, load_model
 
     if args.init is None:
-        return Qwen3(Qwen3Config.preset(args.preset), rngs=nnx.Rngs(args.seed))
+        return CausalLM(ModelConfig.preset(args.preset), rngs=nnx.Rngs(args.seed))
     try:
-        return load_qwen3(args.init)
+        return load_model(args.init)
     except (CheckpointError, OSError, ValueError) as error:
         raise UsageError(f"--init {args.init!r}: {error}") from None
 
@@ -183,7 +183,7 @@ def run(args: Any) -> dict[str, Any]:
     import optax
     from flax import nnx
 
-    from jaxopd.models.qwen3 import dense_causal_attend
+    from jaxopd.models.decoder import dense_causal_attend
 
     model = starting_model(args)
     config = model.config
@@ -255,8 +255,8 @@ def run(args: Any) -> dict[str, Any]:
                 record[f"held_out_{name}_accuracy"] = float(result["second_accuracy"])
             records.append(record)
     if args.export:
-        from jaxopd.models.weights import save_qwen3
-        save_qwen3(scatter_rows(nnx.merge(graphdef, params), full_embedding, full_head, rows), args.export)
+        from jaxopd.models.weights import save_model
+        save_model(scatter_rows(nnx.merge(graphdef, params), full_embedding, full_head, rows), args.export)
     return {"command": args.command, "machine": machine_info(),
             "settings": {k: getattr(args, k) for k in ("preset", "steps", "batch_size", "learning_rate", "length",
                                                          "filler", "vocab", "seed", "rows", "width", "decoys",

@@ -27,7 +27,7 @@ from jaxopd.rollout.tags import ACTION_FORMATS
 def main(argv: Sequence[str] | None = None) -> int:
     parser = Parser(prog="python -m experiments.demo_fit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, action="append", metavar="DIR",
-                        help="Hugging Face Qwen3 folder (repeat to compare several)")
+                        help="Hugging Face model folder (repeat to compare several)")
     parser.add_argument("--split", default="valid_unseen", help="split of the generated ALFWorld games")
     parser.add_argument("--num-tasks", type=int, default=12, help="seeded subset of the split's games")
     parser.add_argument("--demonstrations", default="searching-expert", choices=SFT_DEMONSTRATIONS)
@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="thinking budget of a free-running answer: first-stage and total tokens (default: the "
                              "cpu preset's 48 64)")
     parser.add_argument("--teacher", metavar="DIR",
-                        help="Hugging Face Qwen3 folder: also report each model's exact reverse KL to it on the turns")
+                        help="Hugging Face model folder: also report each model's exact reverse KL to it on the turns")
     parser.add_argument("--kl-temperature", type=float, default=1.0,
                         help="temperature of both models in the reverse KL (default 1.0, the OPD rollouts')")
     parser.add_argument("--top-k", type=int, nargs="+", default=None, metavar="K",
@@ -59,7 +59,7 @@ def run(args, argv) -> int:
     from jaxopd.methods.benchmarks import GeneratedCounts, references_for, resolve_source, subset
     from jaxopd.methods.demo_fit import demonstration_fit
     from jaxopd.methods.sft_data import walkthrough_samples
-    from jaxopd.models.weights import load_qwen3
+    from jaxopd.models.weights import load_model
     from jaxopd.tokenizer import load_tokenizer
 
     if args.num_tasks < 1:
@@ -97,9 +97,9 @@ def run(args, argv) -> int:
     from flax import nnx
 
     from jaxopd.methods.divergence import exact_reverse_kl, top_k_agreement
-    teacher = None if args.teacher is None else nnx.split(load_qwen3(args.teacher), nnx.Param)
+    teacher = None if args.teacher is None else nnx.split(load_model(args.teacher), nnx.Param)
     for folder in args.model:
-        model = load_qwen3(folder)
+        model = load_model(folder)
         rows[folder] = demonstration_fit(model, samples, tokenizer, goal_objects=goals)
         if teacher is not None:
             rows[folder]["exact_reverse_kl"] = exact_reverse_kl(nnx.split(model, nnx.Param), teacher, samples,

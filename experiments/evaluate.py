@@ -74,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = cli.Parser(prog="python -m experiments.evaluate",
                    description="Evaluate a student agent alone (think-then-act) on ALFWorld or ScienceWorld over "
                                "seeds, or plot learning curves (--history).")
-    p.add_argument("--student", default=None, metavar="DIR", help="Hugging Face Qwen3 folder of the student")
+    p.add_argument("--student", default=None, metavar="DIR", help="Hugging Face model folder of the student")
     p.add_argument("--model-preset", default=None, metavar="NAME",
-                   help="a Qwen3 architecture preset with RANDOM weights (smoke tests only; e.g. tiny)")
+                   help="a architecture preset with RANDOM weights (smoke tests only; e.g. tiny)")
     p.add_argument("--benchmark", default="alfworld", choices=BENCHMARKS)
     p.add_argument("--games", default="auto", choices=GAME_SOURCES,
                    help="ALFWorld games: auto (official under $ALFWORLD_DATA when set, else generated), generated, "

@@ -56,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generated-train-games", type=int, default=None, metavar="N",
                    help="generated ALFWorld games of the train split (240; valid_unseen stays the same games, "
                         "valid_seen can change)")
-    p.add_argument("--student", default=None, metavar="DIR", help="Hugging Face Qwen3 folder of the student")
-    p.add_argument("--teacher", default=None, metavar="DIR", help="Hugging Face Qwen3 folder of the teacher")
+    p.add_argument("--student", default=None, metavar="DIR", help="Hugging Face model folder of the student")
+    p.add_argument("--teacher", default=None, metavar="DIR", help="Hugging Face model folder of the teacher")
     p.add_argument("--student-model-preset", default=None, help="random-initialised student when no --student")
     p.add_argument("--teacher-model-preset", default=None, help="random-initialised teacher when no --teacher")
     p.add_argument("--updates", type=int, default=None, help="optimizer updates (distillation)")
@@ -202,15 +202,15 @@ def load_models(config: RunConfig):
     """The student and teacher (None for SFT) Qwen3 modules and the tokenizer."""
     from flax import nnx
 
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
-    from jaxopd.models.weights import CheckpointError, load_qwen3
+    from jaxopd.models.decoder import CausalLM, ModelConfig
+    from jaxopd.models.weights import CheckpointError, load_model
     from jaxopd.tokenizer import load_tokenizer
 
     def load(folder: str | None, preset: str, seed: int, flag: str):
         if folder is None:
-            return Qwen3(Qwen3Config.preset(preset), rngs=nnx.Rngs(seed))
+            return CausalLM(ModelConfig.preset(preset), rngs=nnx.Rngs(seed))
         try:
-            return load_qwen3(folder)
+            return load_model(folder)
         except (CheckpointError, OSError, ValueError) as error:
             raise UsageError(f"{flag} {folder!r}: {error}") from None
 
@@ -335,10 +335,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.export:
             from flax import nnx
 
-            from jaxopd.models.weights import save_qwen3
+            from jaxopd.models.weights import save_model
             import jax
             graphdef, _ = nnx.split(student, nnx.Param)
-            save_qwen3(nnx.merge(graphdef, jax.device_get(trainer.state.params)), args.export)
+            save_model(nnx.merge(graphdef, jax.device_get(trainer.state.params)), args.export)
             summary["export"] = args.export
     summary.update({"command": " ".join([sys.executable.split("/")[-1], "-m", "experiments.train", *sys.argv[1:]]),
                     "config": config.to_dict(), "machine": machine_info(), "source": source.describe(),
@@ -403,8 +403,8 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
                                "demonstrations": {"kind": config.sft_demonstrations, "games": len(corpus.tasks),
                                                   "demonstrated": len(corpus.references), "failed": failures}}
     if args.export:
-        from jaxopd.models.weights import save_qwen3
-        save_qwen3(model, args.export)
+        from jaxopd.models.weights import save_model
+        save_model(model, args.export)
         summary["export"] = args.export
     return summary
 

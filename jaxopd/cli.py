@@ -15,7 +15,7 @@ Owns, for every command line of the project (``experiments/*.py``, ``bench/*.py`
   ``checkpoint_vocab_size``).
 
 Nothing heavy is imported here (no jax): a bad flag is rejected before the slow imports of a command.
-``check_model_preset`` alone imports ``jaxopd.models.qwen3`` (and so jax), when it is called.
+``check_model_preset`` alone imports ``jaxopd.models.decoder`` (and so jax), when it is called.
 """
 from __future__ import annotations
 
@@ -159,11 +159,11 @@ def check_alfworld_data() -> Path | None:
 
 
 def check_model_preset(flag: str, name: str) -> str:
-    """``name`` (given as ``flag``) is a Qwen3 architecture preset of ``jaxopd.models.qwen3`` (imports jax)."""
-    from jaxopd.models.qwen3 import PRESETS
+    """``name`` (given as ``flag``) is a architecture preset of ``jaxopd.models.decoder`` (imports jax)."""
+    from jaxopd.models.decoder import PRESETS
 
     if name.lower().replace("_", "-") not in PRESETS:
-        raise UsageError(f"{flag} {name!r} is not a Qwen3 preset; choose one of {sorted(PRESETS)}")
+        raise UsageError(f"{flag} {name!r} is not a model preset; choose one of {sorted(PRESETS)}")
     return name
 
 

@@ -391,7 +391,7 @@ class Qwen3Tokenizer(Tokenizer):
 # A sub-vocabulary of Qwen3's
 # ----------------------------------------------------------------------------------------------------------
 # The key of a model folder's ``config.json`` that lists, for each of the model's token ids in order, the Qwen3
-# token id it stands for (``Qwen3Config.token_map`` writes and reads it). Hugging Face keeps unknown config keys
+# token id it stands for (``ModelConfig.token_map`` writes and reads it). Hugging Face keeps unknown config keys
 # as attributes, so ``transformers`` still loads such a folder (as a Qwen3 of that ``vocab_size``).
 TOKEN_MAP_KEY = "jaxopd_token_map"
 

@@ -36,8 +36,8 @@ def parse_args(argv=None):
 
 
 def micro_config():
-    from jaxopd.models.qwen3 import Qwen3Config
-    return Qwen3Config(hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+    from jaxopd.models.decoder import ModelConfig
+    return ModelConfig(hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
                        vocab_size=32, dtype="float32", param_dtype="float32")
 
 
@@ -48,7 +48,7 @@ def micro_params(cfg, seed):
     import numpy as np
     from flax import nnx
 
-    from jaxopd.models.qwen3 import abstract_model
+    from jaxopd.models.decoder import abstract_model
 
     graphdef, abstract = nnx.split(abstract_model(cfg), nnx.Param)
     rng = np.random.default_rng(seed)

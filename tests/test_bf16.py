@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config, default_dtype
+from jaxopd.models.decoder import CausalLM, ModelConfig, default_dtype
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 
 VOCAB = 512
-CFG = Qwen3Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+CFG = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                   vocab_size=VOCAB, dtype="float32", param_dtype="float32")
 ENGINE = EngineConfig(max_slots=8, page_size=8, num_pages=256, max_seq_len=160, prefill_chunk=32,
                       max_prefill_tokens=128, eos_token_ids=())
@@ -18,13 +18,13 @@ ENGINE = EngineConfig(max_slots=8, page_size=8, num_pages=256, max_seq_len=160, 
 
 def test_dtype_policy():
     expected = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    assert default_dtype() == expected and Qwen3Config.preset("qwen3-0.6b").dtype == expected
-    assert Qwen3Config.preset("qwen3-0.6b", dtype="bfloat16").param_dtype == "bfloat16"
+    assert default_dtype() == expected and ModelConfig.preset("qwen3-0.6b").dtype == expected
+    assert ModelConfig.preset("qwen3-0.6b", dtype="bfloat16").param_dtype == "bfloat16"
 
 
 def test_bf16_engine_against_float32():
-    f32_model = Qwen3(CFG, rngs=nnx.Rngs(2))
-    bf16_model = Qwen3(CFG.with_dtypes("bfloat16"), rngs=nnx.Rngs(2))     # the same weights, rounded
+    f32_model = CausalLM(CFG, rngs=nnx.Rngs(2))
+    bf16_model = CausalLM(CFG.with_dtypes("bfloat16"), rngs=nnx.Rngs(2))     # the same weights, rounded
     rng = np.random.default_rng(0)
     # free-running greedy decoding; the log-prob error is measured on each request's common token prefix
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in (5, 17, 40, 64)]

@@ -80,14 +80,14 @@ def test_multi_copy_rows_copy_spans_within_the_gap():
 def test_export_scatters_the_trained_rows_into_the_full_model(tmp_path):
     from flax import nnx
 
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
-    from jaxopd.models.weights import load_qwen3
+    from jaxopd.models.decoder import CausalLM, ModelConfig
+    from jaxopd.models.weights import load_model
 
     out, hf = tmp_path / "probe.json", tmp_path / "hf"
     assert main(["--steps", "3", "--evaluations", "3", "--length", "4", "--filler", "4", "--vocab", "20",
                  "--held-out-gaps", "2", "--seed", "3", "--no-progress", "--export", str(hf), "--out", str(out)]) == 0
-    exported = load_qwen3(hf)
-    start = Qwen3(Qwen3Config.preset("tiny"), rngs=nnx.Rngs(3))
+    exported = load_model(hf)
+    start = CausalLM(ModelConfig.preset("tiny"), rngs=nnx.Rngs(3))
     rows = np.sort(np.random.default_rng(3).choice(start.config.vocab_size, 20, replace=False))
     moved = np.flatnonzero(np.abs(np.asarray(exported.embedding_vd[...]) - np.asarray(start.embedding_vd[...]))
                            .max(axis=1) > 0)
@@ -96,7 +96,7 @@ def test_export_scatters_the_trained_rows_into_the_full_model(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from jaxopd.models.qwen3 import dense_causal_attend
+    from jaxopd.models.decoder import dense_causal_attend
     tokens, mask, second = copy_batch(np.random.default_rng(4), 32, 4, 2, 20, fixed_filler=2)
     exported.embedding_vd = nnx.Param(exported.embedding_vd[...][rows])
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)

@@ -5,7 +5,7 @@ from flax import nnx
 
 from jaxopd.methods.demo_fit import demonstration_fit, free_running_fit, score_free_answers, token_spans
 from jaxopd.methods.sft_data import response_text
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from jaxopd.models.decoder import CausalLM, ModelConfig
 from jaxopd.tokenizer import load_tokenizer
 from jaxopd.train.buffer import Sample
 
@@ -22,10 +22,10 @@ def test_token_spans_cover_the_characters():
 @pytest.fixture(scope="module")
 def setup():
     tokenizer = load_tokenizer(None)
-    config = Qwen3Config(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+    config = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                          intermediate_size=64, vocab_size=151_936, tie_word_embeddings=True,
                          dtype="float32", param_dtype="float32")
-    model = Qwen3(config, rngs=nnx.Rngs(3))
+    model = CausalLM(config, rngs=nnx.Rngs(3))
     samples = []
     for prompt, thinking, action in (("Task: put a mug in cabinet.", "I need a mug.", "go to countertop 1"),
                                      ("Task: cool some apple.", "I hold apple 1, now cool.", "go to fridge 1"),
@@ -218,7 +218,7 @@ def test_cli_teacher_adds_the_exact_reverse_kl_of_each_model(tmp_path, monkeypat
     from jaxopd.methods import benchmarks
     from jaxopd.methods.divergence import exact_reverse_kl
     from jaxopd.methods.sft_data import walkthrough_samples
-    from jaxopd.models.weights import load_qwen3, save_qwen3
+    from jaxopd.models.weights import load_model, save_model
 
     pytest.importorskip("alfworld")
     from envs.alfworld import AlfWorldEnv
@@ -229,7 +229,7 @@ def test_cli_teacher_adds_the_exact_reverse_kl_of_each_model(tmp_path, monkeypat
     monkeypatch.setattr(benchmarks, "resolve_source", lambda *args, **kwargs: source)
     folders = []
     for seed in (0, 1):
-        folders.append(str(save_qwen3(Qwen3(test_train_loop.MICRO, rngs=nnx.Rngs(seed)), tmp_path / f"m{seed}")))
+        folders.append(str(save_model(CausalLM(test_train_loop.MICRO, rngs=nnx.Rngs(seed)), tmp_path / f"m{seed}")))
     out = tmp_path / "fit.json"
     assert cli.main(["--model", folders[0], "--model", folders[1], "--teacher", folders[1], "--split", "train",
                      "--num-tasks", "2", "--demonstrations", "walkthrough", "--thinking", "state",
@@ -240,8 +240,8 @@ def test_cli_teacher_adds_the_exact_reverse_kl_of_each_model(tmp_path, monkeypat
     tasks = benchmarks.subset(source.tasks("train"), 2, seed=0)
     references = benchmarks.references_for(source, tasks, workers=1, progress=False, kind="solution")
     samples, _ = walkthrough_samples(references, tokenizer, max_prompt_tokens=1024, thinking="state")
-    expected = exact_reverse_kl(nnx.split(load_qwen3(folders[0]), nnx.Param),
-                                nnx.split(load_qwen3(folders[1]), nnx.Param), samples, temperature=0.7)
+    expected = exact_reverse_kl(nnx.split(load_model(folders[0]), nnx.Param),
+                                nnx.split(load_model(folders[1]), nnx.Param), samples, temperature=0.7)
     assert result["models"][folders[0]]["exact_reverse_kl"] == pytest.approx(expected, rel=1e-5)
     assert expected > 1e-3
     assert result["models"][folders[1]]["exact_reverse_kl"] == pytest.approx(0.0, abs=1e-6)

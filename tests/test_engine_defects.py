@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from jaxopd.models.decoder import CausalLM, ModelConfig
 from jaxopd.rollout.thinking import ThinkingBudget, submit_budgeted
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams, SimulatedEngine
 from jaxopd.sampler.buckets import Buckets
 
-CFG = Qwen3Config(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+CFG = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
                   vocab_size=64, dtype="float32", param_dtype="float32")
 # decode (4 rows, 4 pages); prefill (1, 16), (1, 32), (2, 16): four compilations in all
 REAL = EngineConfig(max_slots=4, page_size=16, num_pages=32, max_seq_len=64, prefill_chunk=32,
@@ -102,7 +102,7 @@ class Script:
 
 @pytest.fixture(scope="module")
 def model():
-    return Qwen3(CFG, rngs=nnx.Rngs(0))
+    return CausalLM(CFG, rngs=nnx.Rngs(0))
 
 
 @pytest.fixture(scope="module")
@@ -311,7 +311,7 @@ def test_numpy_scalars_and_arrays_are_accepted(scripted):
 
 # ------------------------------------------------------------------------------ 3. update_weights / max_concurrency
 def test_last_of_two_rapid_updates_always_wins(real):
-    states = [nnx.split(Qwen3(CFG, rngs=nnx.Rngs(seed)))[1] for seed in (11, 12)]
+    states = [nnx.split(CausalLM(CFG, rngs=nnx.Rngs(seed)))[1] for seed in (11, 12)]
     original = real.executor.state
     try:
         for trial in range(300):
@@ -352,9 +352,9 @@ def _with_leaf(state, path_part, fn):
 
 def test_update_weights_checks_the_state_against_the_served_model(real, model):
     state = nnx.split(model)[1]
-    wider = nnx.split(Qwen3(dataclasses.replace(CFG, hidden_size=48), rngs=nnx.Rngs(0)))[1]
-    deeper = nnx.split(Qwen3(dataclasses.replace(CFG, num_layers=3), rngs=nnx.Rngs(0)))[1]
-    untied = nnx.split(Qwen3(dataclasses.replace(CFG, tie_word_embeddings=False), rngs=nnx.Rngs(0)))[1]
+    wider = nnx.split(CausalLM(dataclasses.replace(CFG, hidden_size=48), rngs=nnx.Rngs(0)))[1]
+    deeper = nnx.split(CausalLM(dataclasses.replace(CFG, num_layers=3), rngs=nnx.Rngs(0)))[1]
+    untied = nnx.split(CausalLM(dataclasses.replace(CFG, tie_word_embeddings=False), rngs=nnx.Rngs(0)))[1]
     cases = [
         (wider, r"shape \[64, 48\] at \['embedding_vd'\]"),
         (_with_leaf(state, "q_norm", lambda x: x.astype(jnp.bfloat16)),

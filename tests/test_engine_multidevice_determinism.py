@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from jaxopd.models.logprobs import token_log_probs
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from jaxopd.models.decoder import CausalLM, ModelConfig
 from jaxopd.models.sharding import copy_to, named_shardings
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 from jaxopd.sampler.executor import DecodeBatch
@@ -29,7 +29,7 @@ from jaxopd.train.mesh import RolePlan, build_meshes
 from jaxopd.train.sync import WeightSync
 
 VOCAB = 512
-CFG = Qwen3Config(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+CFG = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
                   vocab_size=VOCAB, dtype="float32", param_dtype="float32")
 ENGINE = EngineConfig(max_slots=8, page_size=16, num_pages=8 * 8 + 1, max_seq_len=128, prefill_chunk=128,
                       max_prefill_tokens=1024, max_prefill_rows=4, eos_token_ids=(VOCAB - 1,), scoring=False)
@@ -110,7 +110,7 @@ def lagging_executor(engine, violations):
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_host_arrays_are_not_rewritten_while_a_device_still_runs_the_step(overlap):
-    model = Qwen3(CFG, rngs=nnx.Rngs(0))
+    model = CausalLM(CFG, rngs=nnx.Rngs(0))
     violations: list[str] = []
     config = dataclasses.replace(ENGINE, overlap=overlap)
     with Engine(model, config) as engine:
@@ -130,7 +130,7 @@ def test_host_arrays_are_not_rewritten_while_a_device_still_runs_the_step(overla
 @pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices: the 4/2/2 role plan")
 def test_engine_on_the_rollout_mesh_serves_the_synced_weights_under_load():
-    model = Qwen3(CFG, rngs=nnx.Rngs(0))
+    model = CausalLM(CFG, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     meshes = build_meshes(RolePlan.for_device_count(8))
     trainer_params = copy_to(params, named_shardings(params, meshes.trainer))

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from jaxopd.models.decoder import CausalLM, ModelConfig
 from jaxopd.sampler import (POLICIES, Engine, EngineConfig, EngineProtocol, Request, SamplingParams,
                             SchedulingPolicy, SimulatedEngine)
 from jaxopd.sampler.scheduler import scheduling_policy
 
-CFG = Qwen3Config(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+CFG = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
                   vocab_size=64, dtype="float32", param_dtype="float32")
 PROTOCOL_MEMBERS = ("submit", "submit_async", "abort", "max_concurrency", "update_weights", "wait_idle", "events")
 
@@ -24,7 +24,7 @@ def request(kind, request_id, priority=0, new=4):
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(Qwen3(CFG, rngs=nnx.Rngs(0)), EngineConfig(max_slots=4, page_size=8, num_pages=16, max_seq_len=64,
+    return Engine(CausalLM(CFG, rngs=nnx.Rngs(0)), EngineConfig(max_slots=4, page_size=8, num_pages=16, max_seq_len=64,
                                                              prefill_chunk=16, max_prefill_tokens=64))
 
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxopd import losses
-from jaxopd.models.qwen3 import dense_causal_attend
+from jaxopd.models.decoder import dense_causal_attend
 from jaxopd.methods.config import build_config
 from jaxopd.methods.divergence import exact_reverse_kl
 from jaxopd.train.buffer import collate_samples

@@ -39,7 +39,7 @@ def test_writable_out_is_created_by_preflight(tmp_path):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--model", "nope"], "--model 'nope' is not a Qwen3 preset"),
+    (["--model", "nope"], "--model 'nope' is not a model preset"),
     (["--weights", "/nonexistent"], "--weights '/nonexistent': no such folder"),
     (["--contexts-file", "/nonexistent/contexts.json"], "cannot read the context snapshot"),
     (["--contexts-source", "snapshot", "--contexts", "2000"], "2000 were asked for"),

@@ -21,10 +21,10 @@ MINIATURE = Preset(
 
 def micro_model():
     from flax import nnx
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
-    cfg = Qwen3Config(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+    from jaxopd.models.decoder import CausalLM, ModelConfig
+    cfg = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
                       dtype="float32", param_dtype="float32")
-    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    model = CausalLM(cfg, rngs=nnx.Rngs(0))
     return model, describe_model(model, name="micro", weights=None)
 
 

@@ -103,12 +103,12 @@ def test_kernels_import_nothing_of_jaxopd():
 
 
 def test_engine_gives_identical_outputs_on_either_page_layout():
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.models.decoder import CausalLM, ModelConfig
     from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 
-    cfg = Qwen3Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
                       vocab_size=128, dtype="float32", param_dtype="float32")
-    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    model = CausalLM(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     requests = [(rng.integers(0, 128, size=int(rng.integers(3, 40))).tolist(),
                  SamplingParams(max_new_tokens=12, min_new_tokens=12, temperature=0.0 if i % 2 else 0.9, seed=i))

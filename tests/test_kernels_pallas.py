@@ -431,15 +431,15 @@ def test_engine_on_pallas_backend_matches_reference(name):
         pytest.skip("TPU kernels run on TPU, or interpreted on CPU")
     from flax import nnx
 
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.models.decoder import CausalLM, ModelConfig
     from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 
     if name not in kernels.available_backends():
         kernels.register_backend({"pallas-gpu": pallas_gpu.PallasGpuBackend,
                                   "pallas-tpu": pallas_tpu.PallasTpuBackend}[name]())
-    cfg = Qwen3Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
+    cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
                       vocab_size=128, dtype="float32", param_dtype="float32")
-    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    model = CausalLM(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     requests = [(rng.integers(0, 128, size=int(rng.integers(3, 40))).tolist(),
                  SamplingParams(max_new_tokens=8, min_new_tokens=8, temperature=0.0 if i % 2 else 0.9, seed=i))

@@ -9,12 +9,12 @@ import pytest
 from flax import nnx
 
 import kernels
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from jaxopd.models.decoder import CausalLM, ModelConfig
 from engine_requests import CharTokenizer, request_mix
 from jaxopd.sampler import Engine, EngineConfig
 
 VOCAB = 64
-CFG = Qwen3Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
+CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
                   vocab_size=VOCAB, dtype="float32", param_dtype="float32")
 BASE = EngineConfig(max_slots=8, page_size=4, num_pages=256, max_seq_len=128, prefill_chunk=16,
                     max_prefill_tokens=64, max_prefill_rows=4, eos_token_ids=(5,), attention_backend="reference")
@@ -23,7 +23,7 @@ LOGPROB_TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def model():
-    return Qwen3(CFG, rngs=nnx.Rngs(11))
+    return CausalLM(CFG, rngs=nnx.Rngs(11))
 
 
 def requests(n, seed, score_every=0, max_new=40):

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from jaxopd.models.decoder import CausalLM, ModelConfig
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 from jaxopd.sampler.allocator import OutOfPages, PageAllocator, page_hashes
 
 VOCAB = 512
-CFG = Qwen3Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+CFG = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                   vocab_size=VOCAB, dtype="float32", param_dtype="float32")
 ENGINE = EngineConfig(max_slots=8, page_size=8, num_pages=256, max_seq_len=160, prefill_chunk=32,
                       max_prefill_tokens=128, eos_token_ids=())
@@ -21,7 +21,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def model():
-    return Qwen3(CFG, rngs=nnx.Rngs(9))
+    return CausalLM(CFG, rngs=nnx.Rngs(9))
 
 
 def config(**changes):
@@ -144,7 +144,7 @@ def test_abort_mid_decode_releases_shared_pages(model):
 def test_weight_update_clears_the_prefix_cache(model):
     rng = np.random.default_rng(6)
     context = rng.integers(0, VOCAB, 40).tolist()
-    other = Qwen3(CFG, rngs=nnx.Rngs(10))
+    other = CausalLM(CFG, rngs=nnx.Rngs(10))
     with Engine(model, config()) as engine:
         engine.submit(request(context, 4, 0)).result(60)
         engine.update_weights(nnx.state(other))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from jaxopd.models.decoder import CausalLM, ModelConfig
 from jaxopd.rollout.thinking import ThinkingBudget, submit_budgeted
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 from jaxopd.sampler.allocator import OutOfPages, PageAllocator
@@ -18,7 +18,7 @@ from jaxopd.sampler.sampling import counter_uniform, sample_tokens
 
 VOCAB = 512
 MAX_SEQ = 400
-CFG = Qwen3Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+CFG = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                   vocab_size=VOCAB, dtype="float32", param_dtype="float32")
 ENGINE = EngineConfig(max_slots=32, page_size=16, num_pages=1024, max_seq_len=MAX_SEQ, prefill_chunk=128,
                       max_prefill_tokens=512, eos_token_ids=())
@@ -26,7 +26,7 @@ ENGINE = EngineConfig(max_slots=32, page_size=16, num_pages=1024, max_seq_len=MA
 
 @pytest.fixture(scope="module")
 def model():
-    return Qwen3(CFG, rngs=nnx.Rngs(3))
+    return CausalLM(CFG, rngs=nnx.Rngs(3))
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,12 @@ from flax import nnx
 
 from jaxopd.methods.config import build_config
 from jaxopd.methods.metrics_log import read_jsonl
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from jaxopd.models.decoder import CausalLM, ModelConfig
 from jaxopd.tokenizer import QWEN3_VOCAB_SIZE, Qwen3Tokenizer
 from jaxopd.train.checkpoint import TrainCheckpointer
 
 source = test_train_loop.source      # the fixture: two generated ALFWorld training games
-MICRO = Qwen3Config(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+MICRO = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
                     vocab_size=QWEN3_VOCAB_SIZE, dtype="float32", param_dtype="float32")
 
 
@@ -30,12 +30,12 @@ def sft(source, out, steps, export=None, keep_checkpoints=3, export_at=None, **o
                           max_prompt_tokens=1024, max_train_tokens=1152, updates=steps,
                           keep_checkpoints=keep_checkpoints, **overrides)
     args = argparse.Namespace(steps=steps, no_eval=True, export=export, export_at=export_at)
-    student = Qwen3(MICRO, rngs=nnx.Rngs(0))
+    student = CausalLM(MICRO, rngs=nnx.Rngs(0))
     return run_sft(config, args, source, student, Qwen3Tokenizer(), out, progress=False)
 
 
 def test_run_sft_trains_with_the_context_term_resumes_and_exports(source, tmp_path):
-    from jaxopd.models.weights import load_qwen3
+    from jaxopd.models.weights import load_model
 
     out = tmp_path / "sft"
     out.mkdir()
@@ -75,8 +75,8 @@ def test_run_sft_trains_with_the_context_term_resumes_and_exports(source, tmp_pa
     records = [r for r in read_jsonl(out / "train.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[3]["loss"] < records[0]["loss"]
-    exported = load_qwen3(second["export"])
-    random_init = nnx.state(Qwen3(MICRO, rngs=nnx.Rngs(0)), nnx.Param)
+    exported = load_model(second["export"])
+    random_init = nnx.state(CausalLM(MICRO, rngs=nnx.Rngs(0)), nnx.Param)
     difference = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                      for a, b in zip(jax.tree.leaves(nnx.state(exported, nnx.Param)), jax.tree.leaves(random_init)))
     assert difference > 1e-3
@@ -89,7 +89,7 @@ def test_held_out_divergence_reads_answers_in_the_configured_thinking(source):
 
     from experiments.train import held_out_divergence
 
-    student, teacher = Qwen3(MICRO, rngs=nnx.Rngs(0)), Qwen3(MICRO, rngs=nnx.Rngs(1))
+    student, teacher = CausalLM(MICRO, rngs=nnx.Rngs(0)), CausalLM(MICRO, rngs=nnx.Rngs(1))
     values = {}
     for thinking in ("none", "state"):
         config = build_config("vanilla-opd", preset="cpu", eval_split="train", eval_tasks=1, sft_thinking=thinking)
@@ -320,14 +320,14 @@ def test_export_at_writes_the_model_of_an_earlier_step_under_a_cosine_schedule(s
     with ``lr_schedule="cosine"`` (warm-up over 5 % of 3 steps: none) both differ from the start and each other."""
     from experiments.train import build_parser, config_from_args
     from jaxopd.cli import UsageError
-    from jaxopd.models.weights import load_qwen3
+    from jaxopd.models.weights import load_model
 
     (tmp_path / "run").mkdir()
     summary = sft(source, tmp_path / "run", 3, export=str(tmp_path / "final"),
                   export_at=[("1", str(tmp_path / "early"))], lr_schedule="cosine")
     assert summary["steps"] == 3
     leaves = [jax.tree.leaves(nnx.state(model, nnx.Param)) for model in
-              (Qwen3(MICRO, rngs=nnx.Rngs(0)), load_qwen3(tmp_path / "early"), load_qwen3(tmp_path / "final"))]
+              (CausalLM(MICRO, rngs=nnx.Rngs(0)), load_model(tmp_path / "early"), load_model(tmp_path / "final"))]
     start, early, final = ([np.asarray(leaf) for leaf in model] for model in leaves)
     assert max(np.max(np.abs(a - b)) for a, b in zip(start, early)) > 1e-4
     assert max(np.max(np.abs(a - b)) for a, b in zip(early, final)) > 1e-4

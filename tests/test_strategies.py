@@ -721,11 +721,11 @@ def test_response_records_validate_their_arrays():
 
 # ----------------------------------------------------------------------------------------------------------- scoring
 def test_dense_teacher_scorer_matches_a_dense_forward():
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+    from jaxopd.models.decoder import CausalLM, ModelConfig
 
-    config = Qwen3Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+    config = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
                          vocab_size=256, dtype="float32", param_dtype="float32")
-    model = Qwen3(config, rngs=nnx.Rngs(1))
+    model = CausalLM(config, rngs=nnx.Rngs(1))
     rng = np.random.default_rng(0)
     prompt, completion = rng.integers(0, 256, 37).tolist(), rng.integers(0, 256, 11).tolist()
     scorer = DenseTeacherScorer(model, temperature=0.7, length_multiple=32, completion_multiple=8)

@@ -18,7 +18,7 @@ from test_strategies import ScriptedEngine, full_text
 
 from envs.pool import EnvPool
 from envs.references import build_reference
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from jaxopd.models.decoder import CausalLM, ModelConfig
 from jaxopd.rollout.scoring import DenseTeacherScorer
 from jaxopd.rollout.strategies import (
     ActFirstStrategy,
@@ -38,7 +38,7 @@ from jaxopd.tokenizer import QWEN3_VOCAB_SIZE, Qwen3Tokenizer
 
 # The tokenizer's 151,669 ids and no padding rows: a random model samples Qwen3's 267 padding rows (151669..151935)
 # about once in 570 tokens, and the tokenizer refuses to decode them.
-MICRO = Qwen3Config(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+MICRO = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
                     vocab_size=QWEN3_VOCAB_SIZE, dtype="float32", param_dtype="float32")
 ENGINE = EngineConfig(max_slots=8, page_size=64, num_pages=8 * 32 + 1, max_seq_len=2048, prefill_chunk=256,
                       max_prefill_tokens=256, max_prefill_rows=2)
@@ -54,12 +54,12 @@ def tok():
 
 @pytest.fixture(scope="module")
 def teacher_model():
-    return Qwen3(MICRO, rngs=nnx.Rngs(1))
+    return CausalLM(MICRO, rngs=nnx.Rngs(1))
 
 
 @pytest.fixture(scope="module")
 def student_model():
-    return Qwen3(MICRO, rngs=nnx.Rngs(0))
+    return CausalLM(MICRO, rngs=nnx.Rngs(0))
 
 
 @pytest.fixture(scope="module")

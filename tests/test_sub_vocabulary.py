@@ -12,8 +12,8 @@ import pytest
 import test_sft_run
 from flax import nnx
 
-from jaxopd.models.qwen3 import Qwen3, dense_causal_attend
-from jaxopd.models.weights import load_qwen3, restrict_vocabulary, save_qwen3
+from jaxopd.models.decoder import CausalLM, dense_causal_attend
+from jaxopd.models.weights import load_model, restrict_vocabulary, save_model
 from jaxopd.tokenizer import (QWEN3_ADDED_TOKENS, TOKEN_MAP_KEY, Qwen3Tokenizer, SubVocabularyTokenizer,
                               byte_token_ids, load_tokenizer, sub_vocabulary)
 
@@ -78,7 +78,7 @@ def test_a_token_map_without_the_byte_or_added_tokens_is_refused(qwen):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_cut_down_model_gives_the_full_models_logits_at_the_mapped_ids(qwen, tmp_path, tied):
-    full = Qwen3(dataclasses.replace(MICRO, tie_word_embeddings=tied), rngs=nnx.Rngs(3))
+    full = CausalLM(dataclasses.replace(MICRO, tie_word_embeddings=tied), rngs=nnx.Rngs(3))
     token_map = sub_vocabulary(qwen.encode(TEXT))
     small = restrict_vocabulary(full, token_map)
     assert small.config.vocab_size == len(token_map) and small.config.token_map == token_map
@@ -98,11 +98,11 @@ def test_the_cut_down_model_gives_the_full_models_logits_at_the_mapped_ids(qwen,
     with pytest.raises(ValueError, match="must lie in"):
         restrict_vocabulary(full, [0, MICRO.vocab_size])
     # the folder keeps the map (config.json), and every loader finds it
-    folder = save_qwen3(small, tmp_path / "small")
+    folder = save_model(small, tmp_path / "small")
     config = json.loads((folder / "config.json").read_text())
     assert config[TOKEN_MAP_KEY] == list(token_map) and config["vocab_size"] == len(token_map)
     assert config["eos_token_id"] == token_map.index(151645)
-    loaded = load_qwen3(folder)
+    loaded = load_model(folder)
     assert loaded.config.token_map == token_map
     np.testing.assert_allclose(logits(loaded, ids), expected, rtol=1e-5, atol=1e-5)
     assert isinstance(load_tokenizer(folder), SubVocabularyTokenizer)
@@ -121,7 +121,7 @@ def test_the_engine_stops_on_the_mapped_end_of_turn_ids(qwen):
     from jaxopd.sampler.types import Request, SamplingParams
 
     token_map = sub_vocabulary(qwen.encode(TEXT))
-    small = restrict_vocabulary(Qwen3(MICRO, rngs=nnx.Rngs(1)), token_map)
+    small = restrict_vocabulary(CausalLM(MICRO, rngs=nnx.Rngs(1)), token_map)
     config = EngineConfig(max_slots=2, page_size=8, num_pages=32, max_seq_len=128, prefill_chunk=64,
                           max_prefill_tokens=128, max_prefill_rows=2)
     tokenizer = SubVocabularyTokenizer(token_map)
@@ -156,7 +156,7 @@ def test_sft_cuts_the_model_down_to_its_corpus_resumes_and_exports(source, tmp_p
     assert sub[0]["context_nll"] == pytest.approx(full[0]["context_nll"], rel=1e-5)
     assert sub[0]["nll"] < full[0]["nll"]
     assert sub[2]["loss"] < sub[0]["loss"]
-    exported = load_qwen3(second["export"])
+    exported = load_model(second["export"])
     tokenizer = load_tokenizer(second["export"])
     assert isinstance(tokenizer, SubVocabularyTokenizer)
     assert exported.config.vocab_size == tokenizer.vocab_size < 2_000
@@ -165,7 +165,7 @@ def test_sft_cuts_the_model_down_to_its_corpus_resumes_and_exports(source, tmp_p
     kept = set(exported.config.token_map)
     other = sorted(kept - {max(kept - set(byte_token_ids()) - {t for t, _, _ in QWEN3_ADDED_TOKENS})}
                    | {min(set(range(1000, 2000)) - kept)})
-    teacher = restrict_vocabulary(Qwen3(MICRO, rngs=nnx.Rngs(0)), other)
+    teacher = restrict_vocabulary(CausalLM(MICRO, rngs=nnx.Rngs(0)), other)
     assert teacher.config.vocab_size == exported.config.vocab_size
     from jaxopd.methods.config import build_config
     from jaxopd.methods.loop import Trainer
@@ -193,8 +193,9 @@ def test_distillation_between_sub_vocabulary_models_trains_and_syncs(method, sou
         return {"probe_logprobs": [float(x) for x in result.logprobs], "served_version": engine.policy_version}
 
     config = build_config(method, preset="cpu", **{**loop.SMALL, "updates": 2})
-    trainer = Trainer(config, student=restrict_vocabulary(Qwen3(loop.MICRO, rngs=nnx.Rngs(0)), token_map),
-                      teacher=restrict_vocabulary(Qwen3(loop.MICRO, rngs=nnx.Rngs(1)), token_map), tokenizer=tokenizer,
+    trainer = Trainer(config, student=restrict_vocabulary(CausalLM(loop.MICRO, rngs=nnx.Rngs(0)), token_map),
+                      teacher=restrict_vocabulary(CausalLM(loop.MICRO, rngs=nnx.Rngs(1)), token_map),
+                      tokenizer=tokenizer,
                       source=source, out_dir=tmp_path / method, progress=False, evaluate=probe,
                       log=lambda message: None)
     assert trainer.run()["updates"] == 2

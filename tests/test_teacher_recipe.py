@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 from experiments import teacher_recipe as recipe
 from experiments.train import build_parser as train_parser
 from jaxopd import machine
-from jaxopd.models.qwen3 import Qwen3Config
+from jaxopd.models.decoder import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 def write_checkpoint(folder: Path) -> None:
     """A Qwen3 config and a (small, stand-in) safetensors file: what the completeness check reads."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(Qwen3Config.preset("tiny").to_hf_dict()))
+    (folder / "config.json").write_text(json.dumps(ModelConfig.preset("tiny").to_hf_dict()))
     save_file({"w": np.arange(6, dtype=np.float32)}, str(folder / "model.safetensors"))
 
 

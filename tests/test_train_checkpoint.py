@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, Mesh
 
-from jaxopd.models.qwen3 import Qwen3Config, abstract_model
+from jaxopd.models.decoder import ModelConfig, abstract_model
 from jaxopd.models.sharding import named_shardings
 from jaxopd.train import (LossConfig, OptimizerConfig, RolePlan, Sample, SampleBuffer, TrainCheckpointer,
                           WeightSync, abstract_train_state, batch_shardings, build_meshes, collate_samples,
@@ -17,7 +17,7 @@ from jaxopd.train import (LossConfig, OptimizerConfig, RolePlan, Sample, SampleB
                           train_state_shardings)
 from jaxopd.train.dense_sampling import sample_dense
 
-TINY = Qwen3Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
                    vocab_size=64, dtype="float32", param_dtype="float32")
 PROMPT_LENGTH, RESPONSE_LENGTH = 3, 5
 ROLLOUT_BATCH, TRAIN_BATCH = 12, 8      # more samples than an update consumes: the buffer carries leftovers

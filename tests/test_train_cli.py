@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from flax import nnx
 
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config
-from jaxopd.models.weights import save_qwen3
+from jaxopd.models.decoder import CausalLM, ModelConfig
+from jaxopd.models.weights import save_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
@@ -65,8 +65,8 @@ def test_alfworld_data_pointing_at_nothing(tmp_path):
 
 
 def test_teacher_vocabulary_differs(tmp_path, official_data):
-    save_qwen3(Qwen3(Qwen3Config(vocab_size=300, **MICRO), rngs=nnx.Rngs(0)), tmp_path / "student")
-    save_qwen3(Qwen3(Qwen3Config(vocab_size=400, **MICRO), rngs=nnx.Rngs(1)), tmp_path / "teacher")
+    save_model(CausalLM(ModelConfig(vocab_size=300, **MICRO), rngs=nnx.Rngs(0)), tmp_path / "student")
+    save_model(CausalLM(ModelConfig(vocab_size=400, **MICRO), rngs=nnx.Rngs(1)), tmp_path / "teacher")
     result = run_cli("--method", "vanilla-opd", "--student", str(tmp_path / "student"), "--teacher",
                      str(tmp_path / "teacher"), "--out", str(tmp_path / "o"), env=official_data)
     assert_one_line(result, "vocabulary", "400", "300")

@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxopd.models.qwen3 import Qwen3Config, abstract_model
+from jaxopd.models.decoder import ModelConfig, abstract_model
 from jaxopd.models.sharding import named_shardings
 from jaxopd.train import (LossConfig, OptimizerConfig, RolePlan, Sample, SampleBuffer, WeightSync, batch_shardings,
                           build_meshes, collate_samples, init_train_state, make_optimizer, make_teacher_scorer,
                           make_train_step, score_batch, train_state_shardings)
 from jaxopd.train.dense_sampling import sample_dense
 
-TINY = Qwen3Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
                    vocab_size=64, dtype="float32", param_dtype="float32")
 PROMPT_LENGTH, RESPONSE_LENGTH, NUM_CONTEXTS = 4, 8, 16
 UPDATES, LEARNING_RATE, EVAL_EVERY = 48, 4e-3, 4

@@ -20,11 +20,11 @@ from jaxopd.methods.benchmarks import BenchmarkSource
 from jaxopd.methods.config import build_config
 from jaxopd.methods.loop import Trainer
 from jaxopd.methods.metrics_log import read_jsonl
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from jaxopd.models.decoder import CausalLM, ModelConfig
 from jaxopd.sampler.types import Request, SamplingParams
 from jaxopd.tokenizer import QWEN3_VOCAB_SIZE, Qwen3Tokenizer
 
-MICRO = Qwen3Config(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+MICRO = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
                     vocab_size=QWEN3_VOCAB_SIZE, dtype="float32", param_dtype="float32")
 SMALL = dict(updates=3, batch_size=2, rollout_slots=2, collection_tasks=2, max_turns=2, max_prompt_tokens=1536,
              max_train_tokens=1600, first_stage_tokens=8, total_tokens=16, second_stage_tokens=4,
@@ -58,8 +58,8 @@ def probe(engine, update):
 
 def train(method, out_dir, source, tokenizer, *, student=None, teacher=None, **overrides):
     config = build_config(method, preset="cpu", **{**SMALL, **overrides})
-    trainer = Trainer(config, student=student or Qwen3(MICRO, rngs=nnx.Rngs(0)),
-                      teacher=teacher or Qwen3(MICRO, rngs=nnx.Rngs(1)), tokenizer=tokenizer, source=source,
+    trainer = Trainer(config, student=student or CausalLM(MICRO, rngs=nnx.Rngs(0)),
+                      teacher=teacher or CausalLM(MICRO, rngs=nnx.Rngs(1)), tokenizer=tokenizer, source=source,
                       out_dir=out_dir, progress=False, evaluate=probe, tensorboard=True, log=lambda message: None)
     return trainer.run()
 
@@ -98,7 +98,7 @@ def imprint(seed, actions, prompts, tokenizer, steps=100):
     from jaxopd.train.buffer import Sample, collate_samples
     from jaxopd.train.step import LossConfig, batch_loss
 
-    model = Qwen3(IMPRINTED, rngs=nnx.Rngs(seed))
+    model = CausalLM(IMPRINTED, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model)
     samples = []
     for prompt in prompts:               # each prompt with every action: the optimum is equal shares
@@ -170,7 +170,7 @@ def test_actionopd_trains_syncs_and_resumes_exactly(source, tokenizer, tmp_path)
     student_state = nnx.state(imprint(0, ["look", "inventory"], prompts, tokenizer))
 
     def student():
-        model = Qwen3(IMPRINTED, rngs=nnx.Rngs(0))
+        model = CausalLM(IMPRINTED, rngs=nnx.Rngs(0))
         nnx.update(model, student_state)
         return model
 
@@ -210,7 +210,7 @@ def test_actionopd_without_a_signal_stops_with_a_clear_error(source, tokenizer, 
 def test_a_changed_config_is_not_resumed(source, tokenizer, tmp_path):
     config = build_config("vanilla-opd", preset="cpu", **SMALL)
     (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "learning_rate": 1.0}))
-    trainer = Trainer(config, student=Qwen3(MICRO, rngs=nnx.Rngs(0)), teacher=Qwen3(MICRO, rngs=nnx.Rngs(1)),
+    trainer = Trainer(config, student=CausalLM(MICRO, rngs=nnx.Rngs(0)), teacher=CausalLM(MICRO, rngs=nnx.Rngs(1)),
                       tokenizer=tokenizer, source=source, out_dir=tmp_path, progress=False, log=lambda m: None)
     with pytest.raises(ValueError, match="learning_rate"):
         trainer.run()
@@ -219,9 +219,9 @@ def test_a_changed_config_is_not_resumed(source, tokenizer, tmp_path):
 def test_teacher_with_another_vocabulary_is_refused(source, tokenizer, tmp_path):
     import dataclasses
     config = build_config("vanilla-opd", preset="cpu", **SMALL)
-    other = Qwen3(dataclasses.replace(MICRO, vocab_size=1000), rngs=nnx.Rngs(1))
+    other = CausalLM(dataclasses.replace(MICRO, vocab_size=1000), rngs=nnx.Rngs(1))
     with pytest.raises(ValueError, match="vocabulary"):
-        Trainer(config, student=Qwen3(MICRO, rngs=nnx.Rngs(0)), teacher=other, tokenizer=tokenizer, source=source,
+        Trainer(config, student=CausalLM(MICRO, rngs=nnx.Rngs(0)), teacher=other, tokenizer=tokenizer, source=source,
                 out_dir=tmp_path)
 
 

@@ -6,11 +6,11 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from jaxopd.models.qwen3 import Qwen3Config, abstract_model
+from jaxopd.models.decoder import ModelConfig, abstract_model
 from jaxopd.models.sharding import (QWEN3_LOGICAL_AXES, ShardingRules, loader_sharding, logical_partition_spec,
                                     named_shardings, partition_specs, shard_model)
 
-TINY = Qwen3Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
                    vocab_size=64, dtype="float32", param_dtype="float32")
 
 
@@ -24,7 +24,7 @@ def flat_specs(specs):
 
 
 def test_fsdp_tensor_specs_of_every_qwen3_parameter():
-    untied = nnx.state(abstract_model(Qwen3Config(**{**TINY.__dict__, "tie_word_embeddings": False})), nnx.Param)
+    untied = nnx.state(abstract_model(ModelConfig(**{**TINY.__dict__, "tie_word_embeddings": False})), nnx.Param)
     used_axes = {axis for _, var in nnx.to_flat_state(untied) for axis in var.get_metadata()["axes"]}
     assert used_axes == set(QWEN3_LOGICAL_AXES)
     for rules in (ShardingRules.fsdp(), ShardingRules.fsdp_tensor()):
@@ -102,13 +102,13 @@ def test_shard_model_places_parameters_without_changing_values():
 
 def test_checkpoint_loads_straight_into_shardings(tmp_path):
     from conftest import make_hf_qwen3
-    from jaxopd.models.weights import load_qwen3, read_config
+    from jaxopd.models.weights import load_model, read_config
 
     make_hf_qwen3(tmp_path, tied=False)
     mesh = make_mesh(4, 2)
     abstract_params = nnx.state(abstract_model(read_config(tmp_path, dtype="float32")), nnx.Param)
-    sharded = load_qwen3(tmp_path, dtype="float32", sharding=loader_sharding(abstract_params, mesh))
-    plain = load_qwen3(tmp_path, dtype="float32")
+    sharded = load_model(tmp_path, dtype="float32", sharding=loader_sharding(abstract_params, mesh))
+    plain = load_model(tmp_path, dtype="float32")
     assert sharded.lm_head_dv[...].sharding.spec == P("data", "model")      # ('embed', 'vocab')
     assert sharded.layers[0].mlp.down_weight_fd[...].sharding.spec == P("model", "data")
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(plain, nnx.Param)),

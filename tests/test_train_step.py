@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from jaxopd.models.qwen3 import Qwen3Config, abstract_model
+from jaxopd.models.decoder import ModelConfig, abstract_model
 from jaxopd.models.sharding import named_shardings
 from jaxopd.train.buffer import Sample, collate_samples
 from jaxopd.train.mesh import RolePlan, build_meshes
@@ -19,7 +19,7 @@ from jaxopd.train.step import (LossConfig, OptimizerConfig, batch_loss, batch_sh
                                make_optimizer, make_teacher_scorer, make_train_step, place_batch,
                                score_batch, sequence_log_probs, train_state_shardings)
 
-TINY = Qwen3Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
                    vocab_size=64, dtype="float32", param_dtype="float32")
 ROW_LENGTHS = (7, 10, 12, 7, 10, 12, 10, 7)
 PROMPT_LENGTHS = (2, 3, 4, 3, 2, 4, 3, 2)

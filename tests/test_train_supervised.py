@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from jaxopd.models.decoder import CausalLM, ModelConfig
 from jaxopd.models.sharding import named_shardings
 from jaxopd.train import RolePlan, build_meshes, make_teacher_scorer
 from jaxopd.train.buffer import Sample, collate_samples
 from jaxopd.train.step import (LossConfig, batch_loss, check_supervised_fit, sequence_log_probs,
                                supervised_log_probs)
 
-CFG = Qwen3Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
                   vocab_size=64, dtype="float32", param_dtype="float32")
 
 
@@ -32,7 +32,7 @@ def batch():
 
 
 def test_supervised_log_probs_equal_the_full_projection_on_supervised_tokens():
-    model = Qwen3(CFG, rngs=nnx.Rngs(0))
+    model = CausalLM(CFG, rngs=nnx.Rngs(0))
     b = batch()
     full = np.asarray(sequence_log_probs(model, b.tokens, b.positions, b.attention_mask, 0.7))
     sup = np.asarray(supervised_log_probs(model, b.tokens, b.positions, b.attention_mask, b.loss_mask, 8, 0.7))
@@ -42,7 +42,7 @@ def test_supervised_log_probs_equal_the_full_projection_on_supervised_tokens():
 
 @pytest.mark.parametrize("kind", ["opd", "sti-opd", "sft"])
 def test_losses_and_gradients_match(kind):
-    graphdef, params = nnx.split(Qwen3(CFG, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(CausalLM(CFG, rngs=nnx.Rngs(0)))
     b = batch()
     (loss, _), grads = jax.value_and_grad(batch_loss, has_aux=True)(params, graphdef, b, LossConfig(kind=kind))
     (loss2, _), grads2 = jax.value_and_grad(batch_loss, has_aux=True)(
@@ -54,7 +54,7 @@ def test_losses_and_gradients_match(kind):
 
 
 def test_teacher_scorer_on_supervised_positions():
-    graphdef, params = nnx.split(Qwen3(CFG, rngs=nnx.Rngs(1)))
+    graphdef, params = nnx.split(CausalLM(CFG, rngs=nnx.Rngs(1)))
     meshes = build_meshes(RolePlan.colocated_on(1))
     shardings = named_shardings(params, meshes.teacher)
     b = batch()

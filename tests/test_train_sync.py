@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxopd.models.qwen3 import Qwen3Config, abstract_model
+from jaxopd.models.decoder import ModelConfig, abstract_model
 from jaxopd.models.sharding import named_shardings
 from jaxopd.train import RolePlan, WeightSync, build_meshes, sync_weights
 
-TINY = Qwen3Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
                    vocab_size=64, dtype="float32", param_dtype="float32")
 
 
@@ -55,7 +55,7 @@ def test_sync_casts_to_the_rollout_dtype_and_checks_the_structure():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(source).astype(jnp.bfloat16))
     plain = sync_weights(trainer, named_shardings(trainer, meshes.rollout))
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, plain), jax.tree.map(np.asarray, trainer))
-    other = Qwen3Config(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+    other = ModelConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
                         intermediate_size=64, vocab_size=64)
     other_params = nnx.state(abstract_model(other), nnx.Param)
     with pytest.raises(ValueError, match="structure of the rollout shardings"):

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxopd.losses import reverse_kl_from_log_probs, top_k_reverse_kl, top_k_with_rest
 from jaxopd.models.logprobs import tempered_log_softmax
-from jaxopd.models.qwen3 import dense_causal_attend
+from jaxopd.models.decoder import dense_causal_attend
 from jaxopd.train.buffer import Sample, collate_samples
 from jaxopd.train.step import supervised_order
 

@@ -41,7 +41,7 @@ from jaxopd.methods.base import Method, RolloutResources
 from jaxopd.methods.benchmarks import TRAIN_SPLIT, BenchmarkSource, lazy_references_for, subset
 from jaxopd.methods.config import RunConfig
 from jaxopd.methods.metrics_log import MetricsWriter
-from jaxopd.models.qwen3 import Qwen3
+from jaxopd.models.decoder import CausalLM
 from jaxopd.models.sharding import copy_to, named_shardings
 from jaxopd.rollout.scoring import EngineTeacherScorer
 from jaxopd.rollout.trajectory import Trajectory, rollout_quality
@@ -239,7 +239,7 @@ class Trainer:
     itself); for progress monitors and the kill-and-resume tests.
     """
 
-    def __init__(self, config: RunConfig, *, student: Qwen3, teacher: Qwen3 | None, tokenizer: Any,
+    def __init__(self, config: RunConfig, *, student: CausalLM, teacher: CausalLM | None, tokenizer: Any,
                  source: BenchmarkSource, out_dir: str | os.PathLike, progress: bool = True,
                  evaluate: Callable[[Any, int], Mapping[str, Any]] | None = None,
                  tasks: Sequence[Task] | None = None, references: Mapping[str, Any] | None = None,

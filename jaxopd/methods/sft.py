@@ -30,7 +30,7 @@ from jaxopd.methods.loop import batch_length
 from jaxopd.methods.metrics_log import MetricsWriter
 from jaxopd.methods.sft_data import (FAST_MODES, FOCUS_TURNS, REWRITTEN_TURNS, SFTDataset, WalkthroughStats,
                                      walkthrough_samples)
-from jaxopd.models.qwen3 import Qwen3
+from jaxopd.models.decoder import CausalLM
 from jaxopd.models.weights import restrict_vocabulary
 from jaxopd.tokenizer import SubVocabularyTokenizer, sub_vocabulary
 from jaxopd.train.buffer import Sample, collate_samples
@@ -122,7 +122,7 @@ def corpus_vocabulary(samples: Sequence[Sample]) -> tuple[int, ...]:
     return tuple(int(i) for i in ids)
 
 
-def to_sub_vocabulary(model: Qwen3, samples: Sequence[Sample]) -> tuple[Qwen3, list[Sample], Any]:
+def to_sub_vocabulary(model: CausalLM, samples: Sequence[Sample]) -> tuple[CausalLM, list[Sample], Any]:
     """``model`` (over Qwen3's ids) and ``samples`` (tokenized in them) over the sub-vocabulary of the samples' ids
     (``jaxopd.tokenizer.sub_vocabulary``: those ids, the byte tokens and the added tokens): the cut-down model
     (``weights.restrict_vocabulary``), the samples' tokens renumbered, and the tokenizer that encodes as they now
@@ -143,14 +143,14 @@ def sft_steps(num_samples: int, batch_size: int, epochs: float) -> int:
     return max(1, math.ceil(epochs * math.ceil(num_samples / batch_size)))
 
 
-def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLike, *, steps: int, batch_size: int,
+def train_sft(model: CausalLM, samples: Sequence[Sample], out_dir: str | os.PathLike, *, steps: int, batch_size: int,
               learning_rate: float, weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0,
               max_train_tokens: int = 2048, max_supervised_tokens: int | None = 64, context_lm_weight: float = 0.0,
               lr_schedule: str = "constant", group_by_length: int = 0, checkpoint_every: int = 50,
               keep_checkpoints: int = 3,
-              eval_every: int = 0, evaluate: Callable[[Qwen3, int], Mapping[str, Any]] | None = None,
+              eval_every: int = 0, evaluate: Callable[[CausalLM, int], Mapping[str, Any]] | None = None,
               exports: Mapping[int, str | os.PathLike] | None = None,
-              progress: bool = True, tensorboard: bool = True, log: Callable[[str], None] = print) -> Qwen3:
+              progress: bool = True, tensorboard: bool = True, log: Callable[[str], None] = print) -> CausalLM:
     """Trains ``model`` for ``steps`` steps of ``batch_size`` samples; returns the model with the trained weights.
 
     ``context_lm_weight`` > 0 adds the language-model term on the prompt tokens (``LossConfig.context_lm_weight``)
@@ -208,7 +208,7 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
         from tqdm import tqdm
         bar = tqdm(total=steps, initial=step, desc="sft steps", unit="step")
 
-    def current_model() -> Qwen3:
+    def current_model() -> CausalLM:
         trained = nnx.merge(graphdef, jax.device_get(state.params))
         return trained
 
@@ -247,8 +247,8 @@ def train_sft(model: Qwen3, samples: Sequence[Sample], out_dir: str | os.PathLik
             if step % checkpoint_every == 0 or step == steps:
                 checkpointer.save(state, metadata={"wall_s": time.perf_counter() - start})
             if step in exports:
-                from jaxopd.models.weights import save_qwen3
-                save_qwen3(current_model(), exports[step])
+                from jaxopd.models.weights import save_model
+                save_model(current_model(), exports[step])
                 log(f"exported the step-{step} model to {exports[step]}")
             if evaluate is not None and ((eval_every and step % eval_every == 0) or step == steps):
                 start += run_eval(step, time.perf_counter() - start)

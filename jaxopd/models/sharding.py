@@ -20,7 +20,7 @@ DATA_AXIS = "data"
 MODEL_AXIS = "model"
 
 QWEN3_LOGICAL_AXES = ("vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp")
-"""Every logical axis name a ``jaxopd.models.qwen3`` parameter carries."""
+"""Every logical axis name a ``jaxopd.models.decoder`` parameter carries."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +163,7 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: ShardingRules = DEFAULT_RU
 
 def loader_sharding(abstract_state: nnx.State, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES
                     ) -> Callable[[tuple[Any, ...], tuple[int, ...]], NamedSharding]:
-    """The ``sharding(path, shape)`` callable of ``jaxopd.models.weights.load_qwen3`` for ``mesh``.
+    """The ``sharding(path, shape)`` callable of ``jaxopd.models.weights.load_model`` for ``mesh``.
 
     ``abstract_state``: the parameter state of the architecture, e.g.
     ``nnx.state(abstract_model(cfg), nnx.Param)``; it supplies each path's logical axes.

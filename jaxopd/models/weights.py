@@ -1,6 +1,7 @@
-"""Hugging Face Qwen3 checkpoints in and out: a declarative key map between safetensors and the NNX model.
+"""Hugging Face checkpoints (Qwen3, Llama) in and out: a declarative key map between safetensors and the NNX model.
 
-Owns reading a local HF folder (``config.json`` + single or sharded ``*.safetensors``) into a ``Qwen3``,
+Owns reading a local HF folder (``config.json`` + single or sharded ``*.safetensors``) into a ``CausalLM``
+(``load_model``),
 optionally straight into given shardings (each device reads only its slice from the memory-mapped file),
 writing a model back to a folder that ``transformers`` loads, and ``restrict_vocabulary`` (a model cut down to a
 sub-vocabulary of its ids). Never downloads anything.
@@ -21,7 +22,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config, abstract_model
+from jaxopd.models.decoder import CausalLM, ModelConfig, abstract_model
 
 # ----------------------------------------------------------------------------------------------------------
 # The key map
@@ -69,26 +70,29 @@ LAYER_RULES = (
     KeyRule("model.layers.{i}.self_attn.k_proj.weight", ("attn", "k_weight_dkh"), "heads_in", "num_kv_heads"),
     KeyRule("model.layers.{i}.self_attn.v_proj.weight", ("attn", "v_weight_dkh"), "heads_in", "num_kv_heads"),
     KeyRule("model.layers.{i}.self_attn.o_proj.weight", ("attn", "o_weight_nhd"), "heads_out", "num_heads"),
-    KeyRule("model.layers.{i}.self_attn.q_norm.weight", ("attn", "q_norm", "scale")),
-    KeyRule("model.layers.{i}.self_attn.k_norm.weight", ("attn", "k_norm", "scale")),
     KeyRule("model.layers.{i}.mlp.gate_proj.weight", ("mlp", "gate_weight_df"), "transpose"),
     KeyRule("model.layers.{i}.mlp.up_proj.weight", ("mlp", "up_weight_df"), "transpose"),
     KeyRule("model.layers.{i}.mlp.down_proj.weight", ("mlp", "down_weight_fd"), "transpose"),
 )
+QK_NORM_RULES = (   # Qwen3 only (ModelConfig.qk_norm)
+    KeyRule("model.layers.{i}.self_attn.q_norm.weight", ("attn", "q_norm", "scale")),
+    KeyRule("model.layers.{i}.self_attn.k_norm.weight", ("attn", "k_norm", "scale")),
+)
 
 
-def key_map(cfg: Qwen3Config) -> dict[str, tuple[tuple[Any, ...], KeyRule]]:
+def key_map(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], KeyRule]]:
     """Every HF tensor name of this architecture → (model state path, rule)."""
     out = {r.hf_key: (r.model_path, r) for r in GLOBAL_RULES}
     if not cfg.tie_word_embeddings:
         out[UNTIED_HEAD_RULE.hf_key] = (UNTIED_HEAD_RULE.model_path, UNTIED_HEAD_RULE)
+    rules = LAYER_RULES + (QK_NORM_RULES if cfg.qk_norm else ())
     for i in range(cfg.num_layers):
-        for r in LAYER_RULES:
+        for r in rules:
             out[r.hf_key.format(i=i)] = (("layers", i) + r.model_path, r)
     return out
 
 
-def to_model_layout(w: np.ndarray, rule: KeyRule, cfg: Qwen3Config) -> np.ndarray:
+def to_model_layout(w: np.ndarray, rule: KeyRule, cfg: ModelConfig) -> np.ndarray:
     """A torch-layout array as our layout (a view where possible: no copy of a memory-mapped tensor)."""
     if rule.layout == "same":
         return w
@@ -98,7 +102,7 @@ def to_model_layout(w: np.ndarray, rule: KeyRule, cfg: Qwen3Config) -> np.ndarra
     return _heads_in(w, heads) if rule.layout == "heads_in" else _heads_out(w, heads)
 
 
-def to_hf_layout(w: np.ndarray, rule: KeyRule, cfg: Qwen3Config) -> np.ndarray:
+def to_hf_layout(w: np.ndarray, rule: KeyRule, cfg: ModelConfig) -> np.ndarray:
     if rule.layout == "same":
         return w
     if rule.layout == "transpose":
@@ -186,10 +190,10 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray],
 # Load
 # ----------------------------------------------------------------------------------------------------------
 class CheckpointError(ValueError):
-    """A checkpoint folder that cannot become a Qwen3 model (the message names the file or tensor)."""
+    """A checkpoint folder that cannot become a model (the message names the file or tensor)."""
 
 
-def read_config(folder: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Config:
+def read_config(folder: str | os.PathLike, *, dtype: str | None = None) -> ModelConfig:
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {str(folder)!r} does not exist")
@@ -197,14 +201,14 @@ def read_config(folder: str | os.PathLike, *, dtype: str | None = None) -> Qwen3
     if not config_path.is_file():
         raise CheckpointError(f"checkpoint folder {str(folder)!r} has no config.json")
     try:
-        return Qwen3Config.from_hf_dict(json.loads(config_path.read_text()), dtype=dtype)
+        return ModelConfig.from_hf_dict(json.loads(config_path.read_text()), dtype=dtype)
     except ValueError as e:
         raise CheckpointError(f"{config_path}: {e}") from None
 
 
-def check_checkpoint_files(folder: str | os.PathLike) -> Qwen3Config:
-    """``CheckpointError`` unless ``folder`` holds a Qwen3 ``config.json`` and safetensors (one file, or every shard
-    its index names) each as long as its header says (a checkpoint whose writing was cut off fails); returns the
+def check_checkpoint_files(folder: str | os.PathLike) -> ModelConfig:
+    """``CheckpointError`` unless ``folder`` holds a Qwen3 or Llama ``config.json`` and safetensors (one file, or
+    every shard its index names) each as long as its header says (a checkpoint whose writing was cut off fails); returns the
     config. Reads headers only, no tensor."""
     config = read_config(folder)
     _tensor_sources(Path(folder))
@@ -236,9 +240,9 @@ def _tensor_sources(folder: Path) -> dict[str, SafetensorsFile]:
 ShardingSpec = Callable[[tuple[Any, ...], tuple[int, ...]], "jax.sharding.Sharding | None"]
 
 
-def load_qwen3(folder: str | os.PathLike, *, dtype: str | None = None,
-               sharding: ShardingSpec | None = None) -> Qwen3:
-    """Load a Hugging Face Qwen3 folder into a ``Qwen3`` (parameters cast to ``dtype``, default by backend).
+def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
+               sharding: ShardingSpec | None = None) -> CausalLM:
+    """Load a Hugging Face model folder into a ``CausalLM`` (parameters cast to ``dtype``, default by backend).
 
     ``sharding(path, shape)`` may give a ``jax.sharding.Sharding`` per parameter: each device then reads only
     its own slice from the memory-mapped safetensors, so no full host copy is made per device.
@@ -257,7 +261,7 @@ def load_qwen3(folder: str | os.PathLike, *, dtype: str | None = None,
                               f"{' …' if len(missing) > 5 else ''} ({len(missing)} missing)")
     if extra:
         raise CheckpointError(f"{str(folder)!r}: unexpected tensor(s) {extra[:5]}"
-                              f"{' …' if len(extra) > 5 else ''} not part of a Qwen3 model of this config")
+                              f"{' …' if len(extra) > 5 else ''} not part of a {cfg.model_type} model of this config")
 
     model = abstract_model(cfg)
     graphdef, abstract_state = nnx.split(model)
@@ -285,7 +289,7 @@ def load_qwen3(folder: str | os.PathLike, *, dtype: str | None = None,
 # ----------------------------------------------------------------------------------------------------------
 # Export
 # ----------------------------------------------------------------------------------------------------------
-def iter_hf_tensors(model: Qwen3) -> Iterator[tuple[str, np.ndarray]]:
+def iter_hf_tensors(model: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, torch-layout numpy array) for every tensor of the model."""
     cfg = model.config
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
@@ -293,7 +297,7 @@ def iter_hf_tensors(model: Qwen3) -> Iterator[tuple[str, np.ndarray]]:
         yield hf_key, to_hf_layout(np.asarray(jax.device_get(flat[path][...])), rule, cfg)
 
 
-def save_qwen3(model: Qwen3, folder: str | os.PathLike, *, max_shard_bytes: int | None = None) -> Path:
+def save_model(model: CausalLM, folder: str | os.PathLike, *, max_shard_bytes: int | None = None) -> Path:
     """Write ``config.json`` and safetensors (sharded with an index when over ``max_shard_bytes``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -324,10 +328,10 @@ def save_qwen3(model: Qwen3, folder: str | os.PathLike, *, max_shard_bytes: int 
 # ----------------------------------------------------------------------------------------------------------
 # Sub-vocabulary
 # ----------------------------------------------------------------------------------------------------------
-def restrict_vocabulary(model: Qwen3, token_map: Sequence[int]) -> Qwen3:
+def restrict_vocabulary(model: CausalLM, token_map: Sequence[int]) -> CausalLM:
     """``model`` over Qwen3's ids cut down to the ids ``token_map`` (``jaxopd.tokenizer.sub_vocabulary``): its
     embedding keeps those rows in that order (an untied head those columns), the body is shared, and the config
-    records the map (``Qwen3Config.token_map``; saved with the model, read back by ``load_tokenizer``). The new
+    records the map (``ModelConfig.token_map``; saved with the model, read back by ``load_tokenizer``). The new
     model's logits are the old one's at those ids, so its softmax is the old softmax renormalised over them."""
     cfg = model.config
     if cfg.token_map is not None:
@@ -352,6 +356,9 @@ def restrict_vocabulary(model: Qwen3, token_map: Sequence[int]) -> Qwen3:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-__all__ = ["CheckpointError", "KeyRule", "SafetensorsFile", "check_checkpoint_files", "key_map", "load_qwen3",
+load_qwen3 = load_model     # the name before the Llama family (kept for existing scripts)
+save_qwen3 = save_model
+
+__all__ = ["CheckpointError", "KeyRule", "SafetensorsFile", "check_checkpoint_files", "key_map", "load_model",
            "read_config",
-           "restrict_vocabulary", "save_qwen3", "write_safetensors", "iter_hf_tensors"]
+           "restrict_vocabulary", "save_model", "write_safetensors", "iter_hf_tensors"]

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxopd.models.logprobs import ROLLOUT_TEMPERATURE, token_log_probs
-from jaxopd.models.qwen3 import Qwen3, dense_causal_attend
+from jaxopd.models.decoder import CausalLM, dense_causal_attend
 from jaxopd.sampler.types import Request
 
 __all__ = ["TeacherScorer", "CallableScorer", "as_teacher_scorer", "DenseTeacherScorer", "EngineTeacherScorer",
@@ -101,7 +101,7 @@ class DenseTeacherScorer:
     parameters (a frozen teacher never needs it). The reference for an engine-backed scorer.
     """
 
-    def __init__(self, model: Qwen3, *, temperature: float = ROLLOUT_TEMPERATURE, length_multiple: int = 256,
+    def __init__(self, model: CausalLM, *, temperature: float = ROLLOUT_TEMPERATURE, length_multiple: int = 256,
                  completion_multiple: int = 32, max_seq_len: int | None = None):
         if not temperature > 0:
             raise ValueError(f"the scoring temperature must be > 0 (the rollout's), got {temperature}")

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 import kernels
-from jaxopd.models.qwen3 import Qwen3
+from jaxopd.models.decoder import CausalLM
 from jaxopd.sampler.allocator import OutOfPages
 from jaxopd.sampler.buckets import Buckets
 from jaxopd.sampler.detokenize import IncrementalText, completes_stop_string
@@ -51,8 +51,10 @@ class EngineConfig:
     pages (a chain hash of full pages, see ``PageAllocator``) and skip their prefill; outputs are the same as
     without sharing. ``scoring``: serve ``score`` requests (``Request.score_ids``); warm-up then also compiles
     the scoring step on every prefill shape.
-    ``eos_token_ids`` are Qwen3's ids; for a model over a sub-vocabulary (``Qwen3Config.token_map``) the engine
-    takes the ids they map to.
+    ``eos_token_ids``: the ids that end every request; ``None`` (the default): the model's own end-of-turn ids
+    (``ModelConfig.end_token_ids``: Qwen3's ``<|im_end|>`` and ``<|endoftext|>``, a Llama config's ``eos_token_id``).
+    For a model over a sub-vocabulary (``ModelConfig.token_map``) they are Qwen3's ids, and the engine takes the
+    ids they map to.
     ``overlap``: in the steady state (the same rows decode at steps k and k+1, nothing to admit, prefill or
     apply) decode step k+1 is dispatched, fed step k's tokens on the device, before the host processes step
     k; a stop found at step k then drops that row's token of step k+1 (never returned). Outputs are those of
@@ -73,7 +75,7 @@ class EngineConfig:
     max_prefill_tokens: int = 4096
     max_prefill_rows: int = 16
     policy: Policy = "fifo"
-    eos_token_ids: tuple[int, ...] = (151645, 151643)
+    eos_token_ids: tuple[int, ...] | None = None
     attention_backend: str = "auto"
     record_events: bool = False
     overlap: bool = True
@@ -121,7 +123,7 @@ class EngineConfig:
 
 
 class Engine(EngineBase):
-    """Continuous-batching paged-KV sampler for a ``Qwen3`` model. Use as a context manager or start()/stop().
+    """Continuous-batching paged-KV sampler for a ``CausalLM`` model. Use as a context manager or start()/stop().
 
     Threads: any thread may call ``submit``, ``abort``, ``update_weights``, ``max_concurrency``, ``warmup``
     and ``wait_idle``; they only queue a command (validated first, so errors are raised to the caller) on
@@ -138,9 +140,11 @@ class Engine(EngineBase):
     (``first != last``) and one with ``first == last`` ran on one version only.
     """
 
-    def __init__(self, model: Qwen3, config: EngineConfig = EngineConfig(), tokenizer: Any = None, *,
+    def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(), tokenizer: Any = None, *,
                  policy_version: int = 0):
         config.validate()
+        if config.eos_token_ids is None:
+            config = dataclasses.replace(config, eos_token_ids=model.config.end_token_ids)
         token_map = model.config.token_map
         if token_map is not None:     # eos_token_ids are Qwen3's ids; a sub-vocabulary model numbers them its way
             local = {qwen_id: i for i, qwen_id in enumerate(token_map)}

@@ -22,7 +22,7 @@ from flax import nnx
 
 import kernels
 from jaxopd.models.logprobs import token_log_probs
-from jaxopd.models.qwen3 import Qwen3
+from jaxopd.models.decoder import CausalLM
 from jaxopd.sampler.allocator import NULL_PAGE
 from jaxopd.sampler.buckets import Buckets
 from jaxopd.sampler.sampling import SamplingArrays, sample_tokens
@@ -251,7 +251,7 @@ class Executor:
     """Holds the model state and the per-layer KV caches (laid out by ``attention_backend``); runs the jitted
     prefill and decode steps on host batches."""
 
-    def __init__(self, model: Qwen3, *, num_pages: int, page_size: int, buckets: Buckets,
+    def __init__(self, model: CausalLM, *, num_pages: int, page_size: int, buckets: Buckets,
                  attention_backend: str = "auto", scoring: bool = True, mixed_steps: bool = False):
         cfg = model.config
         self.config = cfg

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxopd import losses
 from jaxopd.models.logprobs import ROLLOUT_TEMPERATURE, effective_temperature, tempered_log_softmax, token_log_probs
-from jaxopd.models.qwen3 import Qwen3, dense_causal_attend
+from jaxopd.models.decoder import CausalLM, dense_causal_attend
 from jaxopd.models.sharding import DATA_AXIS, DEFAULT_RULES, ShardingRules, copy_to, named_shardings
 from jaxopd.train.buffer import TrainBatch
 
@@ -295,7 +295,7 @@ def place_batch(batch: TrainBatch, shardings: TrainBatch) -> TrainBatch:
 # ----------------------------------------------------------------------------------------------------------
 # Log-probabilities and losses
 # ----------------------------------------------------------------------------------------------------------
-def sequence_log_probs(model: Qwen3, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
+def sequence_log_probs(model: CausalLM, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                        temperature: float = ROLLOUT_TEMPERATURE, logits_chunk_size: int | None = None) -> jax.Array:
     """``[B, T]`` log-probability of each token given the tokens before it; position 0 (no context) is 0.
 
@@ -327,7 +327,7 @@ def sequence_log_probs(model: Qwen3, tokens: jax.Array, positions: jax.Array, at
     return jnp.pad(logp, ((0, 0), (1, 0)))
 
 
-def supervised_log_probs(model: Qwen3, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
+def supervised_log_probs(model: CausalLM, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                          loss_mask: jax.Array, max_supervised_tokens: int,
                          temperature: float = ROLLOUT_TEMPERATURE) -> jax.Array:
     """``sequence_log_probs`` on the supervised positions only (0 elsewhere): the first ``max_supervised_tokens``
@@ -350,7 +350,7 @@ def supervised_order(loss_mask: jax.Array, max_supervised_tokens: int) -> tuple[
     return order, jnp.take_along_axis(mask, order, axis=1)
 
 
-def supervised_dense_log_probs(model: Qwen3, hidden: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
+def supervised_dense_log_probs(model: CausalLM, hidden: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
                                max_supervised_tokens: int, temperature: float
                                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The tempered log-softmax ``[B, W, V]`` of the logits that predict each row's first W supervised tokens
@@ -371,13 +371,13 @@ def _target_log_probs(log_probs: jax.Array, targets: jax.Array, order: jax.Array
     return jnp.zeros((values.shape[0], length), values.dtype).at[rows, order].add(values)
 
 
-def _supervised_from_hidden(model: Qwen3, hidden: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
+def _supervised_from_hidden(model: CausalLM, hidden: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
                             max_supervised_tokens: int, temperature: float) -> jax.Array:
     return _target_log_probs(*supervised_dense_log_probs(model, hidden, tokens, loss_mask, max_supervised_tokens,
                                                          temperature), tokens.shape[1])
 
 
-def context_log_probs(model: Qwen3, hidden: jax.Array, tokens: jax.Array, attention_mask: jax.Array,
+def context_log_probs(model: CausalLM, hidden: jax.Array, tokens: jax.Array, attention_mask: jax.Array,
                       loss_mask: jax.Array, vocab_ids: Any) -> tuple[jax.Array, jax.Array]:
     """Log-probabilities of the context (prompt) tokens under the softmax restricted to ``vocab_ids``.
 
@@ -412,7 +412,7 @@ def check_supervised_fit(loss_mask: Any, max_supervised_tokens: int | None) -> N
                          f"{max_supervised_tokens}; raise it (or set it to None)")
 
 
-def model_log_probs(model: Qwen3, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
+def model_log_probs(model: CausalLM, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                     loss_mask: jax.Array, config: "LossConfig") -> jax.Array:
     """The per-token log-probs a loss needs, by the cheapest exact path the config allows."""
     if config.max_supervised_tokens is not None:
@@ -453,7 +453,7 @@ def batch_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: TrainBatch, con
     return loss, dict(metrics)
 
 
-def _exact_opd_loss(model: Qwen3, batch: TrainBatch, config: LossConfig) -> tuple[jax.Array, Metrics]:
+def _exact_opd_loss(model: CausalLM, batch: TrainBatch, config: LossConfig) -> tuple[jax.Array, Metrics]:
     """The ``opd-exact`` loss: the student's log-softmax at the supervised positions against the teacher's, which
     ``score_batch`` put in ``batch.teacher_dense_logp`` for the same positions."""
     hidden, _ = model.hidden_states(batch.tokens, batch.positions,
@@ -484,7 +484,7 @@ def _exact_opd_loss(model: Qwen3, batch: TrainBatch, config: LossConfig) -> tupl
     return loss, dict(metrics)
 
 
-def _sft_with_context_loss(model: Qwen3, batch: TrainBatch, config: LossConfig) -> tuple[jax.Array, Metrics]:
+def _sft_with_context_loss(model: CausalLM, batch: TrainBatch, config: LossConfig) -> tuple[jax.Array, Metrics]:
     """The ``sft`` loss with its context term: one forward pass gives the response and the prompt log-probs."""
     hidden, _ = model.hidden_states(batch.tokens, batch.positions,
                                     dense_causal_attend(batch.positions, batch.attention_mask))

@@ -54,15 +54,15 @@ CASES = [
     ("experiments.report", "out", ["{file}"], None, ["OUT_DIR", "{file}", "not a folder"]),
     # bench.sampler_throughput
     ("bench.sampler_throughput", "preset", ["--model", "laptop", "--out", "{out}/r.json"], None,
-     ["--model", "laptop", "not a Qwen3 preset"]),
+     ["--model", "laptop", "not a model preset"]),
     ("bench.sampler_throughput", "out", ["--out", "{blocked}/r.json"], None, ["--out", "{blocked}", "not writable"]),
     # bench.engine_overhead
     ("bench.engine_overhead", "preset", ["--model", "laptop", "--out", "{out}/r.json"], None,
-     ["--model", "laptop", "not a Qwen3 preset"]),
+     ["--model", "laptop", "not a model preset"]),
     ("bench.engine_overhead", "out", ["--out", "{blocked}/r.json"], None, ["--out", "{blocked}", "not writable"]),
     # bench.mixed_steps
     ("bench.mixed_steps", "preset", ["--model", "laptop", "--out", "{out}/r.json"], None,
-     ["--model", "laptop", "not a Qwen3 preset"]),
+     ["--model", "laptop", "not a model preset"]),
     ("bench.mixed_steps", "out", ["--out", "{blocked}/r.json"], None, ["--out", "{blocked}", "not writable"]),
     # bench.env_pool
     ("bench.env_pool", "checkpoint", ["--games-root", "{missing}", "--out", "{out}/r.json"], None,
@@ -72,13 +72,13 @@ CASES = [
     ("bench.env_throughput", "checkpoint", ["--weights", "{missing}", "--out", "{out}/r.json"], None,
      ["--weights", "{missing}", "no such folder"]),
     ("bench.env_throughput", "preset", ["--model", "laptop", "--out", "{out}/r.json"], None,
-     ["--model", "laptop", "not a Qwen3 preset"]),
+     ["--model", "laptop", "not a model preset"]),
     ("bench.env_throughput", "out", ["--out", "{blocked}/r.json"], None, ["--out", "{blocked}", "not writable"]),
     # bench.rollout_quality
     ("bench.rollout_quality", "checkpoint", ["--teacher-weights", "{missing}", "--out", "{out}/r.json"], None,
      ["--teacher-weights", "{missing}", "no such folder"]),
     ("bench.rollout_quality", "preset", ["--model", "laptop", "--out", "{out}/r.json"], None,
-     ["--model", "laptop", "not a Qwen3 preset"]),
+     ["--model", "laptop", "not a model preset"]),
     ("bench.rollout_quality", "out", ["--out", "{blocked}/r.json"], None, ["--out", "{blocked}", "not writable"]),
     ("bench.rollout_quality", "teacher_vocabulary",
      ["--weights", "{student}", "--teacher-weights", "{teacher}", "--out", "{out}/r.json"], None,
@@ -89,7 +89,7 @@ CASES = [
     ("bench.decode_attention", "out", ["--out", "{blocked}/r.json"], None, ["--out", "{blocked}", "not writable"]),
     # bench.soak
     ("bench.soak", "preset", ["--model", "laptop", "--out", "{out}"], None,
-     ["--model", "laptop", "not a Qwen3 preset"]),
+     ["--model", "laptop", "not a model preset"]),
     ("bench.soak", "out", ["--out", "{blocked}"], None, ["--out", "{blocked}", "not writable"]),
     ("bench.soak", "alfworld_data", ["--out", "{out}"], MISSING_DATA, ["ALFWORLD_DATA", "{missing}", "not a folder"]),
 ]
@@ -97,15 +97,15 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Two tiny Hugging Face Qwen3 folders whose vocabularies differ (300 and 400 tokens)."""
+    """Two tiny Hugging Face model folders whose vocabularies differ (300 and 400 tokens)."""
     from flax import nnx
 
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
-    from jaxopd.models.weights import save_qwen3
+    from jaxopd.models.decoder import CausalLM, ModelConfig
+    from jaxopd.models.weights import save_model
 
     root = tmp_path_factory.mktemp("vocabularies")
-    save_qwen3(Qwen3(Qwen3Config(vocab_size=300, **MICRO), rngs=nnx.Rngs(0)), root / "student")
-    save_qwen3(Qwen3(Qwen3Config(vocab_size=400, **MICRO), rngs=nnx.Rngs(1)), root / "teacher")
+    save_model(CausalLM(ModelConfig(vocab_size=300, **MICRO), rngs=nnx.Rngs(0)), root / "student")
+    save_model(CausalLM(ModelConfig(vocab_size=400, **MICRO), rngs=nnx.Rngs(1)), root / "teacher")
     return {"student": str(root / "student"), "teacher": str(root / "teacher")}
 
 

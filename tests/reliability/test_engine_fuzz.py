@@ -21,11 +21,11 @@ from bench.fuzz_engine import (
     names_field,
     run_engine_fuzz,
 )
-from jaxopd.models.qwen3 import Qwen3, Qwen3Config
+from jaxopd.models.decoder import CausalLM, ModelConfig
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 from jaxopd.sampler.types import Result, Timings
 
-TINY = Qwen3Config(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
                    vocab_size=64, dtype="float32", param_dtype="float32")
 TINY_ENGINE = EngineConfig(max_slots=4, page_size=16, num_pages=32, max_seq_len=64, prefill_chunk=32,
                            max_prefill_tokens=32, max_prefill_rows=4, eos_token_ids=())
@@ -142,7 +142,7 @@ def test_names_field_needs_the_whole_word():
 # ------------------------------------------------------------------------------------------------ regressions
 @pytest.fixture(scope="module")
 def tiny_model():
-    return Qwen3(TINY, rngs=nnx.Rngs(0))
+    return CausalLM(TINY, rngs=nnx.Rngs(0))
 
 
 def test_cancelled_future_counts_as_done_for_wait_and_as_completed(tiny_model):

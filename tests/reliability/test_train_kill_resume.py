@@ -41,15 +41,15 @@ def setup(tmp_path_factory):
     from flax import nnx
 
     from envs import alfworld_gen
-    from jaxopd.models.qwen3 import Qwen3, Qwen3Config
-    from jaxopd.models.weights import save_qwen3
+    from jaxopd.models.decoder import CausalLM, ModelConfig
+    from jaxopd.models.weights import save_model
     from jaxopd.tokenizer import QWEN3_VOCAB_SIZE
 
     base = tmp_path_factory.mktemp("kill_resume")
-    micro = Qwen3Config(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+    micro = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
                         vocab_size=QWEN3_VOCAB_SIZE, dtype="float32", param_dtype="float32")
-    save_qwen3(Qwen3(micro, rngs=nnx.Rngs(0)), base / "student")
-    save_qwen3(Qwen3(micro, rngs=nnx.Rngs(1)), base / "teacher")
+    save_model(CausalLM(micro, rngs=nnx.Rngs(0)), base / "student")
+    save_model(CausalLM(micro, rngs=nnx.Rngs(1)), base / "teacher")
     games = alfworld_gen.ensure_games(base / "games", seed=0, counts={"train": 2, "valid_seen": 0, "valid_unseen": 0},
                                       workers=1, progress=False)
     return base, Path(games)

@@ -1,7 +1,9 @@
-"""Qwen3 decoder in Flax NNX, faithful to transformers' ``modeling_qwen3``.
+"""The decoder-only transformer of the Llama family in Flax NNX: Qwen3 and Llama, faithful to transformers'
+``modeling_qwen3`` and ``modeling_llama``.
 
-Owns the architecture (config presets, blocks, RoPE, RMSNorm, GQA attention, SwiGLU MLP, tied or untied
-head) and one forward pass whose attention step is a pluggable function: the dense causal attention in
+Qwen3 is Llama plus a per-head RMSNorm on queries and keys (``ModelConfig.qk_norm``); everything else is one
+code path. Owns the architecture (config presets, blocks, RoPE, RMSNorm, GQA attention, SwiGLU MLP, tied or
+untied head) and one forward pass whose attention step is a pluggable function: the dense causal attention in
 this file serves training and scoring, and the sampler passes a paged-cache attention that writes the
 layer's keys/values into its pages. The model itself knows nothing of caches or sampling; the masked GQA
 softmax is ``kernels.dense.grouped_attention``, shared with the paged backends.
@@ -28,9 +30,19 @@ Array = jax.Array
 # ----------------------------------------------------------------------------------------------------------
 # Configuration
 # ----------------------------------------------------------------------------------------------------------
+MODEL_TYPES = ("qwen3", "llama")          # Hugging Face ``model_type`` values this decoder implements
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+# Qwen3's <|endoftext|> / <|im_end|>: the bos/eos of a config that names none (the Qwen3 presets)
+_QWEN3_BOS_EOS = (151643, 151645)
+
+
 @dataclasses.dataclass(frozen=True)
-class Qwen3Config:
-    """Architecture and dtype policy of a Qwen3 model (field names follow the HF config where they exist)."""
+class ModelConfig:
+    """Architecture and dtype policy of a Qwen3 or Llama model (field names follow the HF config where they exist).
+
+    ``model_type`` is the Hugging Face family written back on export; ``qk_norm`` is the one architectural switch
+    between them (Qwen3: True, Llama: False).
+    """
 
     hidden_size: int
     num_layers: int
@@ -48,62 +60,96 @@ class Qwen3Config:
     # A model over a sub-vocabulary of Qwen3's ids: the Qwen3 id of each of its ``vocab_size`` ids
     # (``jaxopd.tokenizer.SubVocabularyTokenizer``, ``weights.restrict_vocabulary``); None: Qwen3's own ids.
     token_map: tuple[int, ...] | None = dataclasses.field(default=None, repr=False)
+    model_type: str = "qwen3"
+    qk_norm: bool = True
+    bos_token_id: int | None = None     # None: the family's default (Qwen3's ids for qwen3)
+    eos_token_id: int | None = None
 
     def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"ModelConfig.model_type {self.model_type!r} is not supported; choose one of "
+                             f"{list(MODEL_TYPES)}")
+        if self.qk_norm != (self.model_type == "qwen3"):
+            raise ValueError(f"ModelConfig.qk_norm={self.qk_norm} does not match model_type {self.model_type!r} "
+                             "(qwen3 normalises queries and keys per head, llama does not)")
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "vocab_size"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"Qwen3Config.{name} must be positive, got {getattr(self, name)}")
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads}) for grouped-query attention")
         if self.token_map is not None and len(self.token_map) != self.vocab_size:
-            raise ValueError(f"Qwen3Config.token_map lists {len(self.token_map)} ids for a vocabulary of "
+            raise ValueError(f"ModelConfig.token_map lists {len(self.token_map)} ids for a vocabulary of "
                              f"{self.vocab_size}")
+
+    @property
+    def end_token_ids(self) -> tuple[int, ...]:
+        """The ids that end a generated turn: the config's ``eos_token_id``, and for Qwen3 ``<|im_end|>`` and
+        ``<|endoftext|>`` (Qwen3's own ids, also for a model over a sub-vocabulary: the engine maps them)."""
+        if self.model_type == "qwen3" and (self.eos_token_id is None or self.token_map is not None):
+            return (_QWEN3_BOS_EOS[1], _QWEN3_BOS_EOS[0])
+        if self.model_type == "qwen3":
+            return tuple(dict.fromkeys((self.eos_token_id, _QWEN3_BOS_EOS[1], _QWEN3_BOS_EOS[0])))
+        return () if self.eos_token_id is None else (self.eos_token_id,)
 
     @property
     def num_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def with_dtypes(self, dtype: str, param_dtype: str | None = None) -> "Qwen3Config":
+    def with_dtypes(self, dtype: str, param_dtype: str | None = None) -> "ModelConfig":
         return dataclasses.replace(self, dtype=dtype, param_dtype=param_dtype or dtype)
 
     @classmethod
-    def preset(cls, name: str, *, dtype: str | None = None) -> "Qwen3Config":
-        """A named architecture: ``qwen3-0.6b``, ``qwen3-1.7b``, ``qwen3-4b``, ``qwen3-8b`` or ``tiny``.
+    def preset(cls, name: str, *, dtype: str | None = None) -> "ModelConfig":
+        """A named architecture: ``qwen3-0.6b``, ``qwen3-1.7b``, ``qwen3-4b``, ``qwen3-8b``, ``tiny`` (Qwen3) or
+        ``smollm2-135m`` (Llama).
 
         ``dtype`` defaults to the backend policy: float32 on CPU, bfloat16 on GPU/TPU.
         """
         key = name.lower().replace("_", "-")
         if key not in PRESETS:
-            raise ValueError(f"unknown Qwen3 preset {name!r}; choose one of {sorted(PRESETS)}")
+            raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
         dtype = dtype or default_dtype()
         return dataclasses.replace(PRESETS[key], dtype=dtype, param_dtype=dtype)
 
     @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any], *, dtype: str | None = None) -> "Qwen3Config":
-        """Build from a Hugging Face ``config.json`` dict (``model_type`` must be ``qwen3``)."""
+    def from_hf_dict(cls, hf: dict[str, Any], *, dtype: str | None = None) -> "ModelConfig":
+        """Build from a Hugging Face ``config.json`` dict of ``model_type`` ``qwen3`` or ``llama``.
+
+        Options this decoder does not implement are refused with a ``ValueError`` naming the field.
+        """
         model_type = hf.get("model_type")
         archs = hf.get("architectures") or []
-        if model_type != "qwen3" or any(a != "Qwen3ForCausalLM" for a in archs):
-            raise ValueError(f"not a Qwen3 checkpoint: model_type={model_type!r}, architectures={archs!r} "
-                             "(expected model_type 'qwen3' / Qwen3ForCausalLM)")
-        if hf.get("attention_bias", False):
-            raise ValueError("Qwen3 checkpoints with attention_bias=True are not supported")
+        if model_type not in MODEL_TYPES or any(a != _ARCHITECTURES[model_type] for a in archs):
+            raise ValueError(f"not a Qwen3 or Llama checkpoint: model_type={model_type!r}, architectures={archs!r} "
+                             "(expected model_type 'qwen3' / Qwen3ForCausalLM or 'llama' / LlamaForCausalLM)")
+        for field in ("attention_bias", "mlp_bias"):
+            if hf.get(field, False):
+                raise ValueError(f"{field}=True is not supported (this decoder's projections have no bias)")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported (only 'silu', the SwiGLU MLP)")
         dtype = dtype or default_dtype()
         num_heads = hf["num_attention_heads"]
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
-            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
-        rope_scaling = hf.get("rope_scaling") or {}
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
-            raise ValueError(f"rope_scaling {rope_scaling!r} is not supported (only default RoPE)")
+        rope_params = hf.get("rope_parameters") or {}    # transformers >= 5 nests RoPE settings here
+        rope_theta = hf.get("rope_theta", rope_params.get("rope_theta"))
+        if rope_theta is None:
+            rope_theta = 1_000_000.0 if model_type == "qwen3" else 10_000.0
+        for field, scaling in (("rope_scaling", hf.get("rope_scaling") or {}), ("rope_parameters", rope_params)):
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind != "default":
+                raise ValueError(f"{field} of rope_type {kind!r} is not supported (only default RoPE)")
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        bos, eos = hf.get("bos_token_id"), hf.get("eos_token_id")
+        if isinstance(eos, list):       # several end ids: the first is the one this config writes back
+            eos = eos[0] if eos else None
         return cls(
             hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads", num_heads),
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
             intermediate_size=hf["intermediate_size"],
             vocab_size=hf["vocab_size"],
             rope_theta=float(rope_theta),
@@ -113,19 +159,31 @@ class Qwen3Config:
             dtype=dtype,
             param_dtype=dtype,
             token_map=None if hf.get(TOKEN_MAP_KEY) is None else tuple(int(i) for i in hf[TOKEN_MAP_KEY]),
+            model_type=model_type,
+            qk_norm=model_type == "qwen3",
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_id=None if eos is None else int(eos),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` of this architecture."""
         torch_dtype = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[self.param_dtype]
-        bos, eos = 151643, 151645           # <|endoftext|>, <|im_end|>
+        bos, eos = self.bos_token_id, self.eos_token_id
+        if self.model_type == "qwen3":
+            bos = _QWEN3_BOS_EOS[0] if bos is None else bos
+            eos = _QWEN3_BOS_EOS[1] if eos is None else eos
         extra: dict[str, Any] = {}
         if self.token_map is not None:
-            bos, eos = self.token_map.index(bos), self.token_map.index(eos)
+            if self.bos_token_id is None and bos is not None:
+                bos = self.token_map.index(bos)
+            if self.eos_token_id is None and eos is not None:
+                eos = self.token_map.index(eos)
             extra[TOKEN_MAP_KEY] = list(self.token_map)
+        if self.model_type == "llama":
+            extra.update({"mlp_bias": False, "pretraining_tp": 1, "rope_scaling": None})
         return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
+            "architectures": [_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads,
@@ -147,18 +205,23 @@ class Qwen3Config:
         }
 
 
-PRESETS: dict[str, Qwen3Config] = {
-    "qwen3-0.6b": Qwen3Config(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+PRESETS: dict[str, ModelConfig] = {
+    "qwen3-0.6b": ModelConfig(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
                               intermediate_size=3072, tie_word_embeddings=True),
-    "qwen3-1.7b": Qwen3Config(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+    "qwen3-1.7b": ModelConfig(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
                               intermediate_size=6144, tie_word_embeddings=True),
-    "qwen3-4b": Qwen3Config(hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+    "qwen3-4b": ModelConfig(hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
                             intermediate_size=9728, tie_word_embeddings=True),
-    "qwen3-8b": Qwen3Config(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+    "qwen3-8b": ModelConfig(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
                             intermediate_size=12288, tie_word_embeddings=False),
     # CPU work: the real vocabulary with a small body (42.0M parameters, 38.9M of them the embedding).
-    "tiny": Qwen3Config(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+    "tiny": ModelConfig(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
                         intermediate_size=768, tie_word_embeddings=True),
+    # Hugging Face's SmolLM2-135M-Instruct (Llama; its weights come from experiments.fetch_model)
+    "smollm2-135m": ModelConfig(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                                intermediate_size=1536, vocab_size=49_152, rope_theta=100_000.0, rms_norm_eps=1e-5,
+                                tie_word_embeddings=True, max_position_embeddings=8192, model_type="llama",
+                                qk_norm=False, bos_token_id=1, eos_token_id=2),
 }
 
 
@@ -177,7 +240,7 @@ def _param(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str, ...], dtype, *
 
 
 class RMSNorm(nnx.Module):
-    """HF Qwen3RMSNorm: normalise in float32, cast back to the input dtype, then scale."""
+    """HF Qwen3RMSNorm / LlamaRMSNorm: normalise in float32, cast back to the input dtype, then scale."""
 
     def __init__(self, dim: int, eps: float, param_dtype, axis_name: str):
         self.eps = eps
@@ -218,22 +281,26 @@ class AttendFn(Protocol):
 
 
 class Attention(nnx.Module):
-    """GQA self-attention with per-head q/k RMSNorm before RoPE; the attention step itself is injected."""
+    """GQA self-attention (Qwen3: per-head q/k RMSNorm before RoPE); the attention step itself is injected."""
 
-    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pd = jnp.dtype(cfg.param_dtype)
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_weight_dnh = _param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), pd)
         self.k_weight_dkh = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
         self.v_weight_dkh = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
         self.o_weight_nhd = _param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), pd)
-        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, pd, "head_dim")
-        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, pd, "head_dim")
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, pd, "head_dim")
+            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, pd, "head_dim")
 
     def project_qkv(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
-        """Queries, keys, values of ``x`` ``[B, T, D]``, q/k normed and rotated: what a KV cache stores."""
-        q = self.q_norm(jnp.einsum("BTD,DNH->BTNH", x, self.q_weight_dnh[...]))
-        k = self.k_norm(jnp.einsum("BTD,DKH->BTKH", x, self.k_weight_dkh[...]))
+        """Queries, keys, values of ``x`` ``[B, T, D]``, q/k (normed and) rotated: what a KV cache stores."""
+        q = jnp.einsum("BTD,DNH->BTNH", x, self.q_weight_dnh[...])
+        k = jnp.einsum("BTD,DKH->BTKH", x, self.k_weight_dkh[...])
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = jnp.einsum("BTD,DKH->BTKH", x, self.v_weight_dkh[...])
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -244,7 +311,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pd = jnp.dtype(cfg.param_dtype)
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_weight_df = _param(rngs, (d, f), ("embed", "mlp"), pd)
@@ -260,7 +327,7 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: attention, then MLP."""
 
-    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pd = jnp.dtype(cfg.param_dtype)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pd, "embed")
         self.attn = Attention(cfg, rngs=rngs)
@@ -293,10 +360,10 @@ def dense_causal_attend(positions: Array, attention_mask: Array) -> AttendFn:
 # ----------------------------------------------------------------------------------------------------------
 # The model
 # ----------------------------------------------------------------------------------------------------------
-class Qwen3(nnx.Module):
-    """Qwen3ForCausalLM in NNX."""
+class CausalLM(nnx.Module):
+    """Qwen3ForCausalLM or LlamaForCausalLM in NNX (``config.model_type``)."""
 
-    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         pd = jnp.dtype(cfg.param_dtype)
         self.embedding_vd = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
@@ -357,7 +424,7 @@ def count_params(tree: Any) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
 
-def abstract_model(cfg: Qwen3Config) -> Qwen3:
+def abstract_model(cfg: ModelConfig) -> CausalLM:
     """The model with shape-only parameters (no memory), e.g. to count parameters or plan shardings."""
-    return nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
 

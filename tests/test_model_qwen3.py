@@ -9,9 +9,9 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxopd.models.qwen3 import PRESETS, Qwen3Config, abstract_model, count_params
-from jaxopd.models.weights import (CheckpointError, SafetensorsFile, check_checkpoint_files, load_qwen3, read_config,
-                                   save_qwen3, write_safetensors)
+from jaxopd.models.decoder import PRESETS, ModelConfig, abstract_model, count_params
+from jaxopd.models.weights import (CheckpointError, SafetensorsFile, check_checkpoint_files, load_model, read_config,
+                                   save_model, write_safetensors)
 
 PROMPT_LENGTHS = (5, 17, 33, 64)
 
@@ -29,7 +29,7 @@ def _torch_logits(model, ids):
 @pytest.mark.parametrize("padding_side", ["right", "left"])
 def test_logits_match_transformers_with_padding(hf_qwen3, padding_side):
     folder, torch_model = hf_qwen3
-    model = load_qwen3(folder, dtype="float32")
+    model = load_model(folder, dtype="float32")
     prompts = _prompts(model.config.vocab_size)
     width = max(map(len, prompts))
     tokens = np.zeros((len(prompts), width), np.int32)
@@ -51,7 +51,7 @@ def test_logits_match_transformers_with_padding(hf_qwen3, padding_side):
 
 def test_greedy_continuation_matches_transformers(hf_qwen3):
     folder, torch_model = hf_qwen3
-    model = load_qwen3(folder, dtype="float32")
+    model = load_model(folder, dtype="float32")
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -78,8 +78,8 @@ def test_export_round_trip_is_exact(hf_qwen3, tmp_path):
     from transformers import Qwen3ForCausalLM
 
     folder, torch_model = hf_qwen3
-    model = load_qwen3(folder, dtype="float32")
-    save_qwen3(model, tmp_path / "export")
+    model = load_model(folder, dtype="float32")
+    save_model(model, tmp_path / "export")
     reloaded = Qwen3ForCausalLM.from_pretrained(tmp_path / "export", local_files_only=True)
     ref_sd, new_sd = torch_model.state_dict(), reloaded.state_dict()
     assert set(ref_sd) == set(new_sd)
@@ -90,11 +90,11 @@ def test_export_round_trip_is_exact(hf_qwen3, tmp_path):
 
 def test_sharded_export_and_load(hf_qwen3, tmp_path):
     folder, _ = hf_qwen3
-    model = load_qwen3(folder, dtype="float32")
-    save_qwen3(model, tmp_path / "sharded", max_shard_bytes=40_000)
+    model = load_model(folder, dtype="float32")
+    save_model(model, tmp_path / "sharded", max_shard_bytes=40_000)
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
-    again = load_qwen3(tmp_path / "sharded", dtype="float32")
+    again = load_model(tmp_path / "sharded", dtype="float32")
     a, b = nnx.state(model, nnx.Param), nnx.state(again, nnx.Param)
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
 
@@ -111,8 +111,8 @@ def test_load_directly_into_a_sharding(hf_qwen3):
             return NamedSharding(mesh, P("data", "model"))
         return NamedSharding(mesh, P())
 
-    sharded = load_qwen3(folder, dtype="float32", sharding=sharding)
-    plain = load_qwen3(folder, dtype="float32")
+    sharded = load_model(folder, dtype="float32", sharding=sharding)
+    plain = load_model(folder, dtype="float32")
     emb = sharded.embedding_vd[...]
     assert emb.sharding.spec == P("data", "model")
     assert emb.addressable_shards[0].data.shape == (emb.shape[0] // 2, emb.shape[1] // 2)
@@ -123,12 +123,12 @@ def test_load_directly_into_a_sharding(hf_qwen3):
 
 def test_bfloat16_checkpoint_loads(tmp_path, hf_qwen3):
     folder, _ = hf_qwen3
-    model = load_qwen3(folder, dtype="bfloat16")
+    model = load_model(folder, dtype="bfloat16")
     assert model.embedding_vd[...].dtype == jnp.bfloat16
-    save_qwen3(model, tmp_path / "bf16")
+    save_model(model, tmp_path / "bf16")
     st = SafetensorsFile(tmp_path / "bf16" / "model.safetensors")
     assert st["model.embed_tokens.weight"].dtype == np.dtype(jnp.bfloat16)
-    again = load_qwen3(tmp_path / "bf16", dtype="bfloat16")
+    again = load_model(tmp_path / "bf16", dtype="bfloat16")
     np.testing.assert_array_equal(np.asarray(again.embedding_vd[...]), np.asarray(model.embedding_vd[...]))
     logits = again(jnp.array([[1, 2, 3]]))
     assert logits.dtype == jnp.float32
@@ -161,7 +161,7 @@ def test_error_cut_off_safetensors(hf_qwen3, tmp_path):
         with pytest.raises(CheckpointError, match=message):
             check_checkpoint_files(dst)
         with pytest.raises(CheckpointError, match=message):
-            load_qwen3(dst)
+            load_model(dst)
     (dst / "model.safetensors").write_bytes(data)
     (dst / "config.json").unlink()
     with pytest.raises(CheckpointError, match="has no config.json"):
@@ -170,37 +170,42 @@ def test_error_cut_off_safetensors(hf_qwen3, tmp_path):
 
 def test_error_folder_missing(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
-        load_qwen3(tmp_path / "nope")
+        load_model(tmp_path / "nope")
 
 
 def test_error_no_safetensors(hf_qwen3, tmp_path):
     dst = _copy(hf_qwen3[0], tmp_path)
     (dst / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"has no \*\.safetensors files"):
-        load_qwen3(dst)
+        load_model(dst)
 
 
 def test_error_not_qwen3(hf_qwen3, tmp_path):
     dst = _copy(hf_qwen3[0], tmp_path)
     cfg = json.loads((dst / "config.json").read_text())
+    cfg["model_type"], cfg["architectures"] = "mistral", ["MistralForCausalLM"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="not a Qwen3 or Llama checkpoint: model_type='mistral'"):
+        load_model(dst)
+    # a Qwen3 folder relabelled Llama: its q/k norms are tensors no Llama model has
     cfg["model_type"], cfg["architectures"] = "llama", ["LlamaForCausalLM"]
     (dst / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="not a Qwen3 checkpoint: model_type='llama'"):
-        load_qwen3(dst)
+    with pytest.raises(CheckpointError, match="unexpected tensor.*q_norm.*not part of a llama model"):
+        load_model(dst)
 
 
 def test_error_missing_tensor(hf_qwen3, tmp_path):
     dst = _copy(hf_qwen3[0], tmp_path)
     _rewrite_tensors(dst, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensor\(s\) \['model.layers.1.mlp.up_proj.weight'\]"):
-        load_qwen3(dst)
+        load_model(dst)
 
 
 def test_error_extra_tensor(hf_qwen3, tmp_path):
     dst = _copy(hf_qwen3[0], tmp_path)
     _rewrite_tensors(dst, lambda t: t.__setitem__("model.layers.7.mlp.up_proj.weight", np.zeros((2, 2), np.float32)))
     with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) \['model.layers.7.mlp.up_proj.weight'\]"):
-        load_qwen3(dst)
+        load_model(dst)
 
 
 def test_error_shape_mismatch(hf_qwen3, tmp_path):
@@ -209,7 +214,7 @@ def test_error_shape_mismatch(hf_qwen3, tmp_path):
                                                   np.zeros((16, 64), np.float32)))
     with pytest.raises(CheckpointError, match=r"tensor 'model.layers.0.self_attn.k_proj.weight' has shape "
                                               r"\(16, 64\), expected \(32, 64\)"):
-        load_qwen3(dst)
+        load_model(dst)
 
 
 # ---------------------------------------------------------------------------------------------- presets
@@ -217,7 +222,7 @@ def test_error_shape_mismatch(hf_qwen3, tmp_path):
     ("qwen3-0.6b", 0.60e9, 0.01e9), ("qwen3-1.7b", 1.72e9, 0.01e9),
     ("qwen3-4b", 4.02e9, 0.01e9), ("qwen3-8b", 8.19e9, 0.01e9)])
 def test_full_presets_build_abstractly_with_published_sizes(name, expected, tolerance):
-    cfg = Qwen3Config.preset(name)
+    cfg = ModelConfig.preset(name)
     n = count_params(nnx.state(abstract_model(cfg), nnx.Param))
     assert abs(n - expected) <= tolerance, (name, n)
 
@@ -225,14 +230,14 @@ def test_full_presets_build_abstractly_with_published_sizes(name, expected, tole
 def test_preset_exact_counts():
     counts = {name: count_params(nnx.state(abstract_model(PRESETS[name]), nnx.Param)) for name in PRESETS}
     assert counts == {"qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1_720_574_976, "qwen3-4b": 4_022_468_096,
-                      "qwen3-8b": 8_190_735_360, "tiny": 42_044_160}
+                      "qwen3-8b": 8_190_735_360, "tiny": 42_044_160, "smollm2-135m": 134_515_008}
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="unknown Qwen3 preset 'qwen3-3b'"):
-        Qwen3Config.preset("qwen3-3b")
+    with pytest.raises(ValueError, match="unknown model preset 'qwen3-3b'"):
+        ModelConfig.preset("qwen3-3b")
     with pytest.raises(ValueError, match="num_heads \\(6\\) must be a multiple of num_kv_heads \\(4\\)"):
-        Qwen3Config(hidden_size=64, num_layers=1, num_heads=6, num_kv_heads=4, head_dim=16, intermediate_size=32)
+        ModelConfig(hidden_size=64, num_layers=1, num_heads=6, num_kv_heads=4, head_dim=16, intermediate_size=32)
     with pytest.raises(ValueError, match="tokens must be \\[batch, time\\]"):
-        from jaxopd.models.qwen3 import Qwen3
-        Qwen3(PRESETS["tiny"].with_dtypes("float32"), rngs=nnx.Rngs(0))(jnp.zeros((3,), jnp.int32))
+        from jaxopd.models.decoder import CausalLM
+        CausalLM(PRESETS["tiny"].with_dtypes("float32"), rngs=nnx.Rngs(0))(jnp.zeros((3,), jnp.int32))
