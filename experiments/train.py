@@ -16,6 +16,7 @@ pointing at nothing, a teacher with another vocabulary) is one line on stderr an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,6 +30,7 @@ from jaxopd.cli import UsageError
 from jaxopd.machine import machine_info
 from jaxopd.methods.benchmarks import BenchmarkError, GeneratedCounts, resolve_source, subset
 from jaxopd.methods.config import METHODS, PRESETS, SFT_DEMONSTRATIONS, SFT_THINKING, RunConfig, build_config
+from jaxopd.methods.run_folder import Interrupted, RunFolderError, RunLock, check_resume
 from jaxopd.rollout.tags import ACTION_FORMATS
 from jaxopd.train.step import LOSS_KINDS, LR_SCHEDULES
 
@@ -58,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "valid_seen can change)")
     p.add_argument("--student", default=None, metavar="DIR", help="Hugging Face model folder of the student")
     p.add_argument("--teacher", default=None, metavar="DIR", help="Hugging Face model folder of the teacher")
-    p.add_argument("--student-model-preset", default=None, help="random-initialised student when no --student")
+    p.add_argument("--student-model-preset", default=None,
+                   help="random-initialised student when no --student (with the offline Qwen3 tokenizer, so a Qwen3 "
+                        "preset)")
     p.add_argument("--teacher-model-preset", default=None, help="random-initialised teacher when no --teacher")
     p.add_argument("--updates", type=int, default=None, help="optimizer updates (distillation)")
     p.add_argument("--steps", type=int, default=None, help="SFT steps (default: --sft-epochs over the data)")
@@ -100,10 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests (next-action and inverse-dynamics prompts, answered by the action tag alone), so "
                         "that a student made by SFT can act in ActFirst's rollouts; default 0")
     p.add_argument("--sub-vocabulary", action="store_const", const=True, default=None,
-                   help="SFT: cut the model down to the token ids of its corpus (plus the 256 byte tokens and Qwen3's "
-                        "added tokens): a few hundred embedding rows and logits instead of 151,936, a step about "
-                        "twice as fast (results/train, stop 48); the exports carry the token map in config.json and "
-                        "every command that loads them (evaluate, train --student/--teacher) uses it")
+                   help="SFT of a Qwen3 model: cut it down to the token ids of its corpus (plus the 256 byte tokens "
+                        "and Qwen3's added tokens): a few hundred embedding rows and logits instead of 151,936, a step "
+                        "about twice as fast (results/train, stop 48); the exports carry the token map in config.json "
+                        "and every command that loads them (evaluate, train --student/--teacher) uses it")
     p.add_argument("--sft-group-by-length", type=int, default=None, metavar="W",
                    help="SFT: batches of samples of similar length (less padding, faster steps): each window of W "
                         "batches of the epoch's shuffled order is sorted by length, cut, and its batches shuffled; "
@@ -144,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exact-top-k", type=int, default=None, metavar="K",
                    help="opd-exact only: carry the teacher's top K ids and the mass of the rest at each state "
                         "instead of its whole log-softmax, and train the reverse KL of that coarse distribution "
-                        "(a lower bound of the exact one; for full Qwen3 vocabularies, e.g. 64). Default: all ids")
+                        "(a lower bound of the exact one; for large vocabularies such as Qwen3's, e.g. 64). "
+                        "Default: all ids")
     p.add_argument("--max-turns", type=int, default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None)
     p.add_argument("--max-train-tokens", type=int, default=None)
@@ -192,19 +197,36 @@ def check_paths(config: RunConfig, args: argparse.Namespace) -> Path:
         cli.check_same_vocabulary(cli.checkpoint_vocab_size("--student", config.student),
                                   cli.checkpoint_vocab_size("--teacher", config.teacher),
                                   student=f"--student {config.student!r}", teacher=f"--teacher {config.teacher!r}")
-    out = cli.check_out_dir("--out", args.out)
+    out = cli.check_out_dir("--out", args.out, create=False)      # created once every input has passed
     if args.export:
-        cli.check_out_dir("--export", args.export)
+        export = cli.check_out_dir("--export", args.export, create=False)
+        if export.resolve() == out.resolve():
+            raise UsageError(f"--export {args.export!r} is the run folder --out: the model's config.json would "
+                             f"replace the run's; export into a subfolder such as {str(out / 'student-hf')!r}")
+    if args.phase_log:
+        cli.check_out_file("--phase-log", args.phase_log, create=False)
+    with cli.usage_errors(RunFolderError):
+        check_resume(out, config)           # a run in the folder must be the same run, and not past --updates
+    if config.student is None:              # random weights: the offline Qwen3 tokenizer's ids must fit the preset
+        cli.check_random_preset("--student-model-preset", config.student_model_preset)
+    if config.teacher is None and config.method != "sft":
+        cli.check_model_preset("--teacher-model-preset", config.teacher_model_preset)
     return out
 
 
 def load_models(config: RunConfig):
-    """The student and teacher (None for SFT) Qwen3 modules and the tokenizer."""
+    """The student and teacher (None for SFT) models, Qwen3 or Llama, and the tokenizer (the student folder's, or
+    the offline Qwen3 one for a random-weight student)."""
     from flax import nnx
 
     from jaxopd.models.decoder import CausalLM, ModelConfig
     from jaxopd.models.weights import CheckpointError, load_model
     from jaxopd.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(config.student)
+    except ValueError as error:
+        raise UsageError(f"--student {config.student!r}: {error}") from None
 
     def load(folder: str | None, preset: str, seed: int, flag: str):
         if folder is None:
@@ -224,7 +246,13 @@ def load_models(config: RunConfig):
         if teacher.config.token_map != student.config.token_map:
             raise UsageError("the teacher's and the student's token maps (config.json's sub-vocabularies) differ; "
                              "OPD needs one token space")
-    return student, teacher, load_tokenizer(config.student)
+    if tokenizer.vocab_size > student.config.vocab_size:
+        raise UsageError(f"the tokenizer's {tokenizer.vocab_size:,} token ids do not fit the student's "
+                         f"{student.config.vocab_size:,}-token vocabulary ({student.config.model_type})")
+    if config.method == "sft" and config.sub_vocabulary and student.config.model_type != "qwen3":
+        raise UsageError(f"--sub-vocabulary cuts a model down to a subset of Qwen3's token ids; the student is a "
+                         f"{student.config.model_type} model with a tokenizer of its own")
+    return student, teacher, tokenizer
 
 
 def make_evaluator(config: RunConfig, source: Any, tokenizer: Any, out: Path, progress: bool, *,
@@ -317,6 +345,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--generated-train-games {config.generated_train_games} sizes generated games, but this run "
                          f"plays {source.describe()} ($ALFWORLD_DATA is set; --games generated uses generated ones)")
     student, teacher, tokenizer = load_models(config)
+    with contextlib.ExitStack() as stack:
+        with cli.usage_errors(RunFolderError):
+            stack.enter_context(RunLock(out))       # one process per run folder: the second is refused here
+        return _run_locked(config, args, out, source, student, teacher, tokenizer, progress)
+
+
+def _run_locked(config: RunConfig, args: argparse.Namespace, out: Path, source: Any, student: Any, teacher: Any,
+                tokenizer: Any, progress: bool) -> dict[str, Any]:
     started = time.time()
     print(f"task source: {source.describe()}", flush=True)
     if config.method == "sft":
@@ -336,9 +372,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             from flax import nnx
 
             from jaxopd.models.weights import save_model
+            from jaxopd.tokenizer import save_tokenizer
             import jax
             graphdef, _ = nnx.split(student, nnx.Param)
             save_model(nnx.merge(graphdef, jax.device_get(trainer.state.params)), args.export)
+            save_tokenizer(tokenizer, args.export)      # a folder tokenizer (a Llama's) goes with the model
             summary["export"] = args.export
     summary.update({"command": " ".join([sys.executable.split("/")[-1], "-m", "experiments.train", *sys.argv[1:]]),
                     "config": config.to_dict(), "machine": machine_info(), "source": source.describe(),
@@ -352,7 +390,7 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
             progress: bool) -> dict[str, Any]:
     """Supervised fine-tuning on demonstrations of the training games (``--sft-demonstrations``: walkthroughs or the
     searching expert's won episodes), evaluated like a distilled student."""
-    from jaxopd.methods.loop import check_and_save_config
+    from jaxopd.methods.run_folder import check_and_save_config
     from jaxopd.methods.sft import sft_corpus, sft_steps, to_sub_vocabulary, train_sft
     from jaxopd.sampler.engine import Engine, EngineConfig
 
@@ -398,13 +436,18 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
                       group_by_length=config.sft_group_by_length,
                       checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                       eval_every=config.eval_every, evaluate=evaluate, exports=export_steps(args, steps),
-                      progress=progress)
+                      run_config=config.to_dict(), progress=progress)
     summary: dict[str, Any] = {"steps": steps, "samples": len(samples), "data": stats.as_dict(),
                                "demonstrations": {"kind": config.sft_demonstrations, "games": len(corpus.tasks),
                                                   "demonstrated": len(corpus.references), "failed": failures}}
+    from jaxopd.tokenizer import save_tokenizer
+    for folder in export_steps(args, steps).values():   # the --export-at models the run wrote
+        if (Path(folder) / "config.json").is_file():
+            save_tokenizer(tokenizer, folder)
     if args.export:
         from jaxopd.models.weights import save_model
         save_model(model, args.export)
+        save_tokenizer(tokenizer, args.export)          # a folder tokenizer (a Llama's) goes with the model
         summary["export"] = args.export
     return summary
 
@@ -442,7 +485,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
-        summary = run(args)
+        try:
+            summary = run(args)
+        except Interrupted as stop:        # SIGINT / SIGTERM: the checkpoint is written; one line, 128 + signal
+            print(str(stop), file=sys.stderr, flush=True)
+            return stop.exit_code
         print(json.dumps({k: v for k, v in summary.items() if k not in ("config", "machine")}, indent=2, default=str))
         return 0
 

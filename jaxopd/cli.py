@@ -10,12 +10,12 @@ Owns, for every command line of the project (``experiments/*.py``, ``bench/*.py`
   (``usage_errors`` turns the ``ValueError`` of a configuration check, before any work starts, into one);
 * the shared checks, each raising ``UsageError`` with the message every command uses: a checkpoint folder
   (``check_checkpoint_folder``), an input folder (``check_input_folder``), an output folder or file
-  (``check_out_dir``, ``check_out_file``), ``$ALFWORLD_DATA`` (``check_alfworld_data``), a Qwen3 architecture
-  preset (``check_model_preset``) and the teacher's vocabulary against the student's (``check_same_vocabulary``,
-  ``checkpoint_vocab_size``).
+  (``check_out_dir``, ``check_out_file``), ``$ALFWORLD_DATA`` (``check_alfworld_data``), a model architecture
+  preset (``check_model_preset``; one to run with random weights: ``check_random_preset``) and the teacher's
+  vocabulary against the student's (``check_same_vocabulary``, ``checkpoint_vocab_size``).
 
 Nothing heavy is imported here (no jax): a bad flag is rejected before the slow imports of a command.
-``check_model_preset`` alone imports ``jaxopd.models.decoder`` (and so jax), when it is called.
+``check_model_preset`` and ``check_random_preset`` alone import ``jaxopd.models.decoder`` (and so jax), when called.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ EXIT_USAGE = 2
 
 __all__ = ["EXIT_USAGE", "Parser", "UsageError", "usage_errors", "report", "run_main", "check_input_folder",
            "check_checkpoint_folder", "check_out_dir", "check_out_file", "check_alfworld_data", "check_model_preset",
-           "checkpoint_vocab_size", "check_same_vocabulary"]
+           "check_random_preset", "checkpoint_vocab_size", "check_same_vocabulary"]
 
 
 class UsageError(ValueError):
@@ -119,20 +119,33 @@ def check_checkpoint_folder(flag: str, path: str | os.PathLike) -> Path:
     return folder
 
 
-def check_out_dir(flag: str, path: str | os.PathLike) -> Path:
+def check_out_dir(flag: str, path: str | os.PathLike, *, create: bool = True) -> Path:
     """``path`` (given as ``flag``) is a folder that can be created and written: created now, a probe file written
-    and removed, so that a run fails here rather than when it writes its results."""
+    and removed, so that a run fails here rather than when it writes its results. ``create=False`` creates
+    nothing: the probe is written in the nearest folder that exists (a command that checks more input later
+    creates its folders only once everything passed)."""
     out = Path(path).expanduser()
-    _check_writable_folder(flag, path, out)
+    if create:
+        _check_writable_folder(flag, path, out)
+        return out
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is a file; a folder is needed")
+    ancestor = out
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} cannot be created: {str(ancestor)!r} is a file")
+    _check_writable_folder(flag, path, ancestor)
     return out
 
 
-def check_out_file(flag: str, path: str | os.PathLike) -> Path:
-    """``path`` (given as ``flag``) is a file that can be written: not a folder, its folder created and writable."""
+def check_out_file(flag: str, path: str | os.PathLike, *, create: bool = True) -> Path:
+    """``path`` (given as ``flag``) is a file that can be written: not a folder, its folder created (``create=False``:
+    creatable) and writable."""
     out = Path(path).expanduser()
     if out.is_dir():
         raise UsageError(f"{flag} {str(path)!r} is a folder; a file name is needed")
-    _check_writable_folder(flag, path, out.parent)
+    check_out_dir(flag, out.parent, create=create)
     return out
 
 
@@ -159,11 +172,29 @@ def check_alfworld_data() -> Path | None:
 
 
 def check_model_preset(flag: str, name: str) -> str:
-    """``name`` (given as ``flag``) is a architecture preset of ``jaxopd.models.decoder`` (imports jax)."""
+    """``name`` (given as ``flag``) is an architecture preset of ``jaxopd.models.decoder`` (imports jax)."""
     from jaxopd.models.decoder import PRESETS
 
     if name.lower().replace("_", "-") not in PRESETS:
         raise UsageError(f"{flag} {name!r} is not a model preset; choose one of {sorted(PRESETS)}")
+    return name
+
+
+def check_random_preset(flag: str, name: str) -> str:
+    """``name`` (given as ``flag``) is a preset that can run with random weights: with no model folder there is no
+    tokenizer but the offline Qwen3 one (``jaxopd.tokenizer.load_tokenizer(None)``), so the preset's vocabulary must
+    hold its ids (the Qwen3 presets do; a Llama preset such as ``smollm2-135m`` needs its folder, which carries its
+    tokenizer). Imports jax."""
+    from jaxopd.models.decoder import PRESETS
+    from jaxopd.tokenizer import QWEN3_VOCAB_SIZE
+
+    check_model_preset(flag, name)
+    preset = PRESETS[name.lower().replace("_", "-")]
+    if preset.vocab_size < QWEN3_VOCAB_SIZE:
+        raise UsageError(f"{flag} {name!r} ({preset.model_type}, {preset.vocab_size:,} token ids) cannot run with "
+                         "random weights: the only tokenizer without a model folder is Qwen3's "
+                         f"({QWEN3_VOCAB_SIZE:,} ids); give the model's Hugging Face folder, which carries its "
+                         "tokenizer (python -m experiments.fetch_model fetches smollm2-135m-instruct)")
     return name
 
 

@@ -21,7 +21,6 @@ run is reproducible: a run killed and resumed any number of times gives the same
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import queue
@@ -41,6 +40,7 @@ from jaxopd.methods.base import Method, RolloutResources
 from jaxopd.methods.benchmarks import TRAIN_SPLIT, BenchmarkSource, lazy_references_for, subset
 from jaxopd.methods.config import RunConfig
 from jaxopd.methods.metrics_log import MetricsWriter
+from jaxopd.methods.run_folder import CONFIG_FILE, Interrupted, check_and_save_config, run_folder
 from jaxopd.models.decoder import CausalLM
 from jaxopd.models.sharding import copy_to, named_shardings
 from jaxopd.rollout.scoring import EngineTeacherScorer
@@ -55,32 +55,11 @@ from jaxopd.train.step import (OptimizerConfig, abstract_train_state, batch_shar
                                train_state_shardings)
 from jaxopd.train.sync import WeightSync
 
-__all__ = ["Trainer", "engine_config_for", "batch_length", "CONFIG_FILE"]
+__all__ = ["Trainer", "engine_config_for", "batch_length", "CONFIG_FILE", "check_and_save_config"]
 
-CONFIG_FILE = "config.json"
-# fields a resumed run may change (how long it runs and how it reports), every other field must match
 _MAX_EMPTY_COLLECTIONS = 3      # collections / sync waves in a row without one trainable sample before giving up
 _MAX_FAILED_IN_A_ROW = 8        # async: this many x rollout_slots failed episodes in a row stop the run
-_RESUMABLE_CHANGES = {"updates", "eval_every", "eval_tasks", "eval_seeds", "checkpoint_every", "keep_checkpoints"}
-
-
-def check_and_save_config(out_dir: str | os.PathLike, config: RunConfig) -> None:
-    """Writes ``config`` as ``out_dir/config.json``; ``ValueError`` naming the settings that differ when the folder
-    holds a run of another config (all but ``_RESUMABLE_CHANGES``; a field the saved file predates counts as its
-    default), so a resumed run (distillation or SFT) never continues a checkpoint with other settings."""
-    path = Path(out_dir) / CONFIG_FILE
-    if path.is_file():
-        saved = json.loads(path.read_text())
-        mine = config.to_dict()
-        defaults = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default
-                    for f in dataclasses.fields(RunConfig) if f.default is not dataclasses.MISSING}
-        changed = sorted(k for k in set(saved) | set(mine)
-                         if saved.get(k, defaults.get(k)) != mine.get(k) and k not in _RESUMABLE_CHANGES)
-        if changed:
-            raise ValueError(f"{out_dir} holds a run with a different config ({', '.join(changed)} differ); "
-                             "use another --out or the same settings")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config.to_json() + "\n")
+_POLL_S = 0.25                  # how often a trainer waiting for samples looks for SIGINT / SIGTERM
 
 
 def engine_config_for(config: RunConfig, method: Method, *, scoring: bool = False) -> EngineConfig:
@@ -226,9 +205,9 @@ class _Runners:
 
 
 class Trainer:
-    """One training run (see the module docstring). Build it with the student and teacher models (Qwen3 modules
-    that share the tokenizer), the tokenizer, the task source and an output directory; ``run()`` trains until
-    ``config.updates`` updates and returns the summary. A directory with checkpoints is resumed.
+    """One training run (see the module docstring). Build it with the student and teacher models (``CausalLM``
+    modules of either family that share the tokenizer), the tokenizer, the task source and an output directory;
+    ``run()`` trains until ``config.updates`` updates and returns the summary. A directory with checkpoints is resumed.
 
     ``evaluate``: optional ``fn(engine, update) -> dict`` called with the student's rollout engine (current
     weights) before training, every ``eval_every`` updates and at the end; its result is logged as ``eval``.
@@ -290,6 +269,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict[str, Any]:
+        """Trains to ``config.updates`` and returns the summary. The folder is locked for the run (a second process
+        is refused); SIGINT / SIGTERM write a checkpoint and raise ``run_folder.Interrupted``."""
+        with run_folder(self.out_dir) as interruption:
+            self._interruption = interruption
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         config, method = self.config, self.method
         self._check_config()
         self.log(f"run config ({config.method} on {config.benchmark}, preset {config.preset}):\n{config.describe()}")
@@ -306,10 +292,11 @@ class Trainer:
 
         checkpointer = TrainCheckpointer(self.out_dir / "checkpoints", max_to_keep=config.keep_checkpoints)
         meta: dict[str, Any] = {"cursor": 0, "collections": 0, "wall_s": 0.0, "episodes": 0, "failed_episodes": 0}
-        if checkpointer.latest_step() is not None:
-            restored = checkpointer.restore(abstract_train_state(params, optimizer, state_shardings))
+        restored = checkpointer.restore_latest(abstract_train_state(params, optimizer, state_shardings),
+                                               warn=lambda message: self.log(f"warning: {message}"))
+        if restored is not None:
             state, buffer = restored.state, restored.buffer or SampleBuffer(config.max_version_lag)
-            meta.update(restored.metadata)
+            meta.update({k: v for k, v in restored.metadata.items() if k in meta})
             self.log(f"resumed from the checkpoint of update {restored.step} ({len(buffer)} buffered samples, "
                      f"task cursor {meta['cursor']})")
         else:
@@ -345,8 +332,9 @@ class Trainer:
             teacher_engine = Engine(self.teacher, engine_config_for(config, method, scoring=True),
                                     tokenizer=self.tokenizer)
         pool = EnvPool(self.source.env_factory, config.rollout_slots)
-        writer = MetricsWriter(self.out_dir, tensorboard=self._tensorboard,
-                               resume_step=version if checkpointer.latest_step() is not None else None)
+        # every record after the restored update (or after update 0 of a run that never wrote a checkpoint) was
+        # written by a run that stopped before saving it, and will be written again
+        writer = MetricsWriter(self.out_dir, tensorboard=self._tensorboard, resume_step=version)
         runners = None
         try:
             engine.start()
@@ -408,10 +396,16 @@ class Trainer:
                         before = buffer.available(version)
                         buffer.add(self._fit(method.samples(trajectories, collection_id=collection)))
                         empty = empty + 1 if buffer.available(version) == before else 0
+                        self._stop_if_interrupted(checkpointer, state, buffer, meta, None, version, wall_start)
                 else:
                     failed_in_a_row = 0
                     while buffer.available(version) < config.batch_size:
-                        finished = runners.results.get()
+                        try:
+                            finished = runners.results.get(timeout=_POLL_S)
+                        except queue.Empty:
+                            self._stop_if_interrupted(checkpointer, state, buffer, meta, runners, version,
+                                                      wall_start)
+                            continue
                         if finished.trajectory is None:
                             runners.delivered(0, buffer.available(version))
                             meta["failed_episodes"] += 1
@@ -482,6 +476,8 @@ class Trainer:
                 if self.evaluate_fn is not None and config.eval_every and version % config.eval_every == 0 \
                         and version < config.updates:
                     wall_start += self._evaluate(writer, runners, version, wall_start)
+                if version < config.updates:
+                    self._stop_if_interrupted(checkpointer, state, buffer, meta, runners, version, wall_start)
             meta["wall_s"] = time.perf_counter() - wall_start
             if runners is not None:
                 runners.pause()
@@ -497,6 +493,10 @@ class Trainer:
                     "failed_episodes": meta["failed_episodes"], "dropped_stale": buffer.stats.dropped_stale,
                     "out_dir": str(self.out_dir)}
         finally:
+            # the engines first: episodes still in flight (an interrupted or failed run) then end at once
+            engine.stop()
+            if teacher_engine is not None:
+                teacher_engine.stop()
             if runners is not None:
                 runners.close()
             if isinstance(self.references, LazyReferences):
@@ -504,9 +504,6 @@ class Trainer:
             writer.close()
             checkpointer.close()
             pool.close()
-            engine.stop()
-            if teacher_engine is not None:
-                teacher_engine.stop()
 
     # ------------------------------------------------------------------ helpers
     def _phase(self, phase: str, update: int) -> None:
@@ -546,9 +543,24 @@ class Trainer:
         return [outcome.trajectory for outcome in outcomes if outcome.ok]
 
     def _meta(self, meta: dict[str, Any], runners: _Runners | None) -> dict[str, Any]:
+        """A checkpoint's metadata: the counters, and the run's config (what a resume is checked against)."""
         if runners is not None:
             meta["cursor"] = runners.low_water()
-        return {k: (float(v) if isinstance(v, float) else int(v)) for k, v in meta.items()}
+        return {**{k: (float(v) if isinstance(v, float) else int(v)) for k, v in meta.items()},
+                "config": self.config.to_dict()}
+
+    def _stop_if_interrupted(self, checkpointer: TrainCheckpointer, state: Any, buffer: SampleBuffer,
+                             meta: dict[str, Any], runners: _Runners | None, version: int, wall_start: float) -> None:
+        """After SIGINT / SIGTERM: a checkpoint of the state, the buffer and the task cursor (episodes in flight
+        are replayed on resume), then ``Interrupted``."""
+        signum = self._interruption.signum
+        if signum is None:
+            return
+        meta["wall_s"] = time.perf_counter() - wall_start
+        self._phase("checkpoint", version)
+        checkpointer.save(state, buffer, self._meta(meta, runners))
+        self._phase("saved", version)
+        raise Interrupted(signum, version)
 
     @staticmethod
     def _batch_stats(samples: Sequence[Sample], batch: Any, version: int) -> dict[str, float]:

@@ -1,5 +1,5 @@
-"""Supervised fine-tuning of a Qwen3 on walkthrough turns: how this project makes a competent teacher (and a
-weaker starting student) without downloading a checkpoint.
+"""Supervised fine-tuning of a model (Qwen3 or Llama) on walkthrough turns: how this project makes a competent teacher
+(and a weaker starting student) without downloading a checkpoint.
 
 Owns ``sft_corpus`` (a run config's demonstration turns as samples: which games, which demonstrations, which
 thinking; one definition for the SFT run and for the copy warm-up that shares its vocabulary) and ``train_sft``:
@@ -28,6 +28,7 @@ from jaxopd.methods.benchmarks import TRAIN_SPLIT, BenchmarkSource, references_f
 from jaxopd.methods.config import SFT_DEMONSTRATIONS, RunConfig
 from jaxopd.methods.loop import batch_length
 from jaxopd.methods.metrics_log import MetricsWriter
+from jaxopd.methods.run_folder import Interrupted, run_folder
 from jaxopd.methods.sft_data import (FAST_MODES, FOCUS_TURNS, REWRITTEN_TURNS, SFTDataset, WalkthroughStats,
                                      walkthrough_samples)
 from jaxopd.models.decoder import CausalLM
@@ -126,7 +127,12 @@ def to_sub_vocabulary(model: CausalLM, samples: Sequence[Sample]) -> tuple[Causa
     """``model`` (over Qwen3's ids) and ``samples`` (tokenized in them) over the sub-vocabulary of the samples' ids
     (``jaxopd.tokenizer.sub_vocabulary``: those ids, the byte tokens and the added tokens): the cut-down model
     (``weights.restrict_vocabulary``), the samples' tokens renumbered, and the tokenizer that encodes as they now
-    are (``SubVocabularyTokenizer``). The model's logits at the kept ids are unchanged; its softmax is over them."""
+    are (``SubVocabularyTokenizer``). The model's logits at the kept ids are unchanged; its softmax is over them.
+    Qwen3 models only (``ValueError`` otherwise): the token map is of Qwen3's ids, and another family's tokenizer
+    numbers its tokens otherwise."""
+    if model.config.model_type != "qwen3":
+        raise ValueError(f"a sub-vocabulary is a subset of Qwen3's token ids; this is a {model.config.model_type} "
+                         "model, whose tokenizer has ids of its own (train it over its full vocabulary)")
     token_map = sub_vocabulary(corpus_vocabulary(samples))
     local = np.full(max(token_map) + 1, -1, np.int64)
     local[list(token_map)] = np.arange(len(token_map))
@@ -149,7 +155,7 @@ def train_sft(model: CausalLM, samples: Sequence[Sample], out_dir: str | os.Path
               lr_schedule: str = "constant", group_by_length: int = 0, checkpoint_every: int = 50,
               keep_checkpoints: int = 3,
               eval_every: int = 0, evaluate: Callable[[CausalLM, int], Mapping[str, Any]] | None = None,
-              exports: Mapping[int, str | os.PathLike] | None = None,
+              exports: Mapping[int, str | os.PathLike] | None = None, run_config: Mapping[str, Any] | None = None,
               progress: bool = True, tensorboard: bool = True, log: Callable[[str], None] = print) -> CausalLM:
     """Trains ``model`` for ``steps`` steps of ``batch_size`` samples; returns the model with the trained weights.
 
@@ -164,7 +170,9 @@ def train_sft(model: CausalLM, samples: Sequence[Sample], out_dir: str | os.Path
     ``evaluate(model, step)`` runs before training (step 0, fresh runs only), every ``eval_every`` steps and at
     the end; its result goes to ``eval.jsonl`` with the training wall-clock (evaluation time excluded).
     ``exports`` maps a step to a folder where the model of that step is written as a Hugging Face folder when the
-    run passes it (a weaker student from the same run as its teacher).
+    run passes it (a weaker student from the same run as its teacher). ``run_config`` (the run's config as a dict)
+    is stored in every checkpoint, so a resume is checked against what the checkpoint was trained with.
+    The folder is locked for the run; SIGINT / SIGTERM write a checkpoint and raise ``run_folder.Interrupted``.
     """
     if not samples:
         raise ValueError("no SFT samples")
@@ -177,7 +185,24 @@ def train_sft(model: CausalLM, samples: Sequence[Sample], out_dir: str | os.Path
     if bad:
         raise ValueError(f"export steps must lie in [1, {steps}], got {bad}")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with run_folder(out_dir) as interruption:
+        return _train_sft(model, samples, out_dir, interruption, steps=steps, batch_size=batch_size,
+                          learning_rate=learning_rate, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                          seed=seed, max_train_tokens=max_train_tokens, max_supervised_tokens=max_supervised_tokens,
+                          context_lm_weight=context_lm_weight, lr_schedule=lr_schedule,
+                          group_by_length=group_by_length, checkpoint_every=checkpoint_every,
+                          keep_checkpoints=keep_checkpoints, eval_every=eval_every, evaluate=evaluate,
+                          exports=exports, run_config=run_config, progress=progress, tensorboard=tensorboard,
+                          log=log)
+
+
+def _train_sft(model: CausalLM, samples: Sequence[Sample], out_dir: Path, interruption: Any, *, steps: int,
+               batch_size: int, learning_rate: float, weight_decay: float, max_grad_norm: float, seed: int,
+               max_train_tokens: int, max_supervised_tokens: int | None, context_lm_weight: float, lr_schedule: str,
+               group_by_length: int, checkpoint_every: int, keep_checkpoints: int, eval_every: int,
+               evaluate: Callable[[CausalLM, int], Mapping[str, Any]] | None,
+               exports: Mapping[int, str | os.PathLike], run_config: Mapping[str, Any] | None, progress: bool,
+               tensorboard: bool, log: Callable[[str], None]) -> CausalLM:
     dataset = SFTDataset(samples, batch_size, seed=seed, group_by_length=group_by_length)
     loss_config = LossConfig(kind="sft", temperature=1.0, max_supervised_tokens=max_supervised_tokens,
                              context_lm_weight=context_lm_weight,
@@ -195,8 +220,9 @@ def train_sft(model: CausalLM, samples: Sequence[Sample], out_dir: str | os.Path
     train_step = make_train_step(graphdef, optimizer, loss_config, shardings, rows)
     checkpointer = TrainCheckpointer(out_dir / "checkpoints", max_to_keep=keep_checkpoints)
     wall = 0.0
-    if checkpointer.latest_step() is not None:
-        restored = checkpointer.restore(abstract_train_state(params, optimizer, shardings))
+    restored = checkpointer.restore_latest(abstract_train_state(params, optimizer, shardings),
+                                           warn=lambda message: log(f"warning: {message}"))
+    if restored is not None:
         state, wall = restored.state, float(restored.metadata.get("wall_s", 0.0))
         log(f"resumed SFT at step {restored.step}")
     else:
@@ -207,6 +233,9 @@ def train_sft(model: CausalLM, samples: Sequence[Sample], out_dir: str | os.Path
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=steps, initial=step, desc="sft steps", unit="step")
+
+    def metadata(wall_s: float) -> dict[str, Any]:
+        return {"wall_s": wall_s, **({"config": dict(run_config)} if run_config is not None else {})}
 
     def current_model() -> CausalLM:
         trained = nnx.merge(graphdef, jax.device_get(state.params))
@@ -244,14 +273,19 @@ def train_sft(model: CausalLM, samples: Sequence[Sample], out_dir: str | os.Path
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-            if step % checkpoint_every == 0 or step == steps:
-                checkpointer.save(state, metadata={"wall_s": time.perf_counter() - start})
+            saved = step % checkpoint_every == 0 or step == steps
+            if saved:
+                checkpointer.save(state, metadata=metadata(time.perf_counter() - start))
             if step in exports:
                 from jaxopd.models.weights import save_model
                 save_model(current_model(), exports[step])
                 log(f"exported the step-{step} model to {exports[step]}")
             if evaluate is not None and ((eval_every and step % eval_every == 0) or step == steps):
                 start += run_eval(step, time.perf_counter() - start)
+            if interruption.requested and step < steps:
+                if not saved:
+                    checkpointer.save(state, metadata=metadata(time.perf_counter() - start))
+                raise Interrupted(interruption.signum, step)
     finally:
         if bar is not None:
             bar.close()

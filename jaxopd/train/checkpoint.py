@@ -1,13 +1,18 @@
 """Orbax checkpoints of a training run: train state (parameters, optimizer state, step) and sample buffer.
 
 Owns the on-disk layout (one orbax ``CheckpointManager`` step per saved update with the items
-``train_state``, ``buffer_arrays`` and ``metadata``) and restoring it straight into given shardings.
+``train_state``, ``buffer_arrays`` and ``metadata``) and restoring it straight into given shardings. A damaged
+checkpoint (a truncated data or metadata file, an empty step folder) is skipped with a warning naming its step,
+and the newest readable one is restored, as verl and Tunix do.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-from typing import Any
+import warnings
+from pathlib import Path
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -19,6 +24,20 @@ from jaxopd.train.step import TrainState
 _STATE = "train_state"
 _BUFFER_ARRAYS = "buffer_arrays"
 _METADATA = "metadata"
+
+
+def read_checkpoint_metadata(directory: str | os.PathLike, step: int) -> dict[str, Any] | None:
+    """The user metadata of checkpoint ``step`` under ``directory`` read from its JSON file (no orbax, no arrays);
+    None when it is missing or unreadable."""
+    try:
+        data = json.loads((Path(directory) / str(int(step)) / _METADATA / "metadata").read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("user") if isinstance(data, dict) else None
+
+
+class CheckpointDamaged(RuntimeError):
+    """No checkpoint under a folder could be read (each failure is named)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +102,45 @@ class TrainCheckpointer:
     def wait(self) -> None:
         self._manager.wait_until_finished()
 
+    def candidate_steps(self) -> list[int]:
+        """Every step folder under the directory, newest first: orbax's list and any integer-named folder it skips
+        (an empty or unfinished step), so that ``restore_latest`` can name what it passes over."""
+        listed = set(self.all_steps())
+        root = Path(self.directory)
+        if root.is_dir():
+            listed |= {int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()}
+        return sorted(listed, reverse=True)
+
+    def restore_latest(self, abstract_state: TrainState,
+                       warn: Callable[[str], None] | None = None) -> RestoredRun | None:
+        """The newest checkpoint that restores; each newer damaged one is reported through ``warn`` (default
+        ``warnings.warn``) with its step and the error, and set aside (renamed ``<step>.damaged``) so it is never
+        listed again. None when the directory holds no checkpoint; ``CheckpointDamaged`` when none restores."""
+        failures = []
+        for step in self.candidate_steps():
+            try:
+                return self.restore(abstract_state, step)
+            except Exception as error:    # orbax/tensorstore raise many kinds on a damaged file
+                reason = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+                failures.append(f"step {step}: {reason}")
+                message = (f"checkpoint of step {step} under {self.directory} is damaged ({reason}); "
+                           "resuming from an earlier one")
+                (warn or (lambda text: warnings.warn(text, RuntimeWarning, stacklevel=3)))(message)
+                self._set_aside(step)
+        if failures:
+            raise CheckpointDamaged(f"no checkpoint under {self.directory} can be read: {'; '.join(failures)}")
+        return None
+
+    def _set_aside(self, step: int) -> None:
+        path = Path(self.directory) / str(step)
+        if path.exists():
+            target = path.with_name(f"{step}.damaged")
+            suffix = 1
+            while target.exists():
+                target, suffix = path.with_name(f"{step}.damaged{suffix}"), suffix + 1
+            os.replace(path, target)
+        self._manager.reload()
+
     def restore(self, abstract_state: TrainState, step: int | None = None) -> RestoredRun:
         """Restores ``step`` (default: the latest) into ``abstract_state``'s shapes, dtypes and shardings
         (see ``jaxopd.train.step.abstract_train_state``)."""
@@ -106,4 +164,4 @@ class TrainCheckpointer:
         return RestoredRun(step=step, state=restored[_STATE], buffer=buffer, metadata=metadata["user"])
 
 
-__all__ = ["RestoredRun", "TrainCheckpointer"]
+__all__ = ["CheckpointDamaged", "RestoredRun", "TrainCheckpointer", "read_checkpoint_metadata"]
