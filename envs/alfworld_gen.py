@@ -63,6 +63,7 @@ from envs.alfworld_engine import (
     admissible_actions,
 )
 from envs.base import EnvError, require_int
+from envs.workers import worker_init
 
 logger = logging.getLogger(__name__)
 
@@ -730,7 +731,8 @@ class _SolverPool:
             return lambda jobs: map(_verify_job, jobs)
         # spawn: the parent may hold JAX or other threads that make fork unsafe
         self._executor = concurrent.futures.ProcessPoolExecutor(
-            max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
+            max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=worker_init,
+            initargs=(os.getpid(),))
         return lambda jobs: self._executor.map(_verify_job, jobs, chunksize=4)
 
     def __exit__(self, *exc) -> None:

@@ -23,12 +23,12 @@ import os
 import pickle
 import signal
 import threading
-import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, TypeVar
 
 from envs.base import EnvError, Observation, Task, TextEnv, require_int
 from envs.checks import observation_texts_equivalent
+from envs.workers import worker_init
 
 logger = logging.getLogger(__name__)
 
@@ -169,23 +169,7 @@ def _close_in_background(env: TextEnv) -> None:
 _WORKER_ENVS: dict[int, TextEnv] = {}
 
 
-_PARENT_POLL_S = 0.5
-
-
-def _worker_init() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C goes to the parent, which closes the pool
-    # A parent killed outright (SIGKILL, OOM) never closes its pool: the worker notices that it was re-parented
-    # and exits, so no worker (nor the JVM it may hold) outlives its parent. (PR_SET_PDEATHSIG is not used: it
-    # fires when the parent *thread* that started the worker ends, and pool threads are short-lived.)
-    parent = os.getppid()
-
-    def watch_parent() -> None:
-        while True:
-            time.sleep(_PARENT_POLL_S)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch_parent, name="env-worker-parent-watch", daemon=True).start()
+_worker_init = worker_init     # ignore Ctrl-C, exit with the parent (envs.workers)
 
 
 def _worker_build(env_id: int, env_factory: Callable[[], TextEnv]) -> str:
@@ -240,7 +224,8 @@ class _Worker:
                 if self._executor is not None:
                     self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=self._context,
-                                                                        initializer=_worker_init)
+                                                                        initializer=_worker_init,
+                                                                        initargs=(os.getpid(),))
                 self.generation += 1
                 try:
                     self.pid = self._executor.submit(os.getpid).result()   # starts the process

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from envs.base import EnvError, Observation, Task, TextEnv, require_bool, require_int
 from envs.checks import normalize_action
+from envs.workers import worker_init
 
 REFERENCE_FORMAT_VERSION = 1
 _FILE_SUFFIX = ".ref.json"
@@ -391,8 +392,9 @@ def _cached(cache_dir: Path, task_id: str, fingerprint: str) -> ReferenceTraject
 _WORKER_ENV: TextEnv | None = None
 
 
-def _init_worker(env_factory: Callable[[], TextEnv]) -> None:
+def _init_worker(env_factory: Callable[[], TextEnv], parent: int | None = None) -> None:
     global _WORKER_ENV
+    worker_init(parent)         # exits with the parent
     _WORKER_ENV = env_factory()
     atexit.register(_WORKER_ENV.close)
 
@@ -497,7 +499,7 @@ def build_references(env_factory: Callable[[], TextEnv], tasks: Iterable[Task], 
                 raise ValueError(f"workers > 1 needs a picklable env_factory: {exc}") from exc
             context = multiprocessing.get_context("spawn")   # fork is unsafe under JAX and JVM threads
             with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                                        initargs=(env_factory,)) as pool:
+                                                        initargs=(env_factory, os.getpid())) as pool:
                 futures = [pool.submit(_worker_build, task, str(cache_dir), options) for task in todo]
                 for future in concurrent.futures.as_completed(futures):
                     errors.append(future.result())

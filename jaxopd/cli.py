@@ -87,8 +87,8 @@ def run_main(body: Callable[[], Any]) -> int:
             args = build_parser().parse_args(argv)
             return cli.run_main(lambda: run(args))
 
-    First it keeps the host allocator's freed memory (``jaxopd.host_malloc.tune_malloc``: XLA on CPU otherwise
-    faults each step's working set in again).
+    First, when ``JAXOPD_MALLOC_TUNING=1`` is set, it keeps the host allocator's freed memory
+    (``jaxopd.host_malloc.tune_malloc``: XLA on CPU otherwise faults each step's working set in again).
     """
     from jaxopd.host_malloc import tune_malloc
 
