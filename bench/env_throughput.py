@@ -118,18 +118,19 @@ def build_model(model_name: str, weights: str | None, *, seed: int = 0):
     from flax import nnx
 
     from jaxopd.models.decoder import CausalLM, ModelConfig, count_params
-    from jaxopd.tokenizer import QWEN3_VOCAB_SIZE, load_tokenizer
+    from jaxopd.tokenizer import load_tokenizer
 
+    tokenizer = load_tokenizer(weights)         # random weights: the offline Qwen3 tokenizer
     if weights:
         from jaxopd.models.weights import load_model
         model, name = load_model(weights), Path(weights).name
     else:
-        config = dataclasses.replace(ModelConfig.preset(model_name), vocab_size=QWEN3_VOCAB_SIZE)
+        config = dataclasses.replace(ModelConfig.preset(model_name), vocab_size=tokenizer.vocab_size)
         model, name = CausalLM(config, rngs=nnx.Rngs(seed)), model_name
     _, state = nnx.split(model)
     info = {"name": name, "weights": weights, "random_weights": not weights, "num_params": count_params(state),
             "dtype": model.config.dtype, "vocab_size": model.config.vocab_size}
-    return model, load_tokenizer(weights), info
+    return model, tokenizer, info
 
 
 def engine_config(b_max: int, max_prompt_tokens: int, max_new_tokens: int):

@@ -2,10 +2,15 @@
 
 Same random tiny Qwen3 weights (made by transformers, loaded into jaxopd through the weight port), same
 batch sizes, prompt length and fixed output length (min = max new tokens), sampling at temperature 1.
+``--model`` a catalogue name of ``jaxopd.models.pretrained.PRETRAINED`` (``smollm2-135m-instruct``), or
+``--model-dir DIR``: both sides use that fetched model's float32 weights instead (transformers
+``AutoModelForCausalLM.from_pretrained``, jaxopd ``load_model``); the prompts stay random token ids.
 Each measurement is repeated and the median reported; the engine is warmed up (compilation excluded),
 transformers gets one untimed warm-up call. Prints a markdown table and writes JSON.
 
     python bench/sampler_throughput.py --out results/bench/sampler_throughput.json
+    python bench/sampler_throughput.py --model smollm2-135m-instruct --batches 1 8 32 64 \
+        --out results/bench/sampler_throughput_smollm2.json
 
 On a GPU (no transformers side): ``--model qwen3-1.7b --random-init --dtype bfloat16 --skip-transformers
 --backend pallas-gpu reference`` times each attention backend, and reports each decode step against the
@@ -38,7 +43,11 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch intra-op threads")
-    p.add_argument("--model", default="tiny", help="jaxopd preset name for the architecture")
+    p.add_argument("--model", default="tiny",
+                   help="a jaxopd architecture preset (random weights made by transformers), or a catalogue model "
+                        "of jaxopd.models.pretrained (its fetched weights: python -m experiments.fetch_model NAME)")
+    p.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="a Hugging Face folder of a Qwen3 or Llama model: its weights on both sides (overrides --model)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--random-init", action="store_true",
                    help="build the jaxopd model at random (no transformers checkpoint; implies --skip-transformers)")
@@ -54,17 +63,36 @@ def parse_args(argv=None):
 
 def make_checkpoint(preset: str, folder: Path):
     import torch
-    from transformers import Qwen3Config as HFConfig
-    from transformers import Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from jaxopd.models.decoder import ModelConfig
 
     cfg = ModelConfig.preset(preset, dtype="float32")
+    hf_config, hf_class = ((LlamaConfig, LlamaForCausalLM) if cfg.model_type == "llama"
+                           else (Qwen3Config, Qwen3ForCausalLM))
     torch.manual_seed(0)
-    hf = Qwen3ForCausalLM(HFConfig(**{k: v for k, v in cfg.to_hf_dict().items()
-                                      if k not in ("architectures", "model_type", "torch_dtype")})).eval()
+    hf = hf_class(hf_config(**{k: v for k, v in cfg.to_hf_dict().items()
+                               if k not in ("architectures", "model_type", "torch_dtype")})).eval()
     hf.save_pretrained(folder)
     return hf
+
+
+def load_transformers(folder: Path):
+    """The Hugging Face model of ``folder`` in float32, for ``generate``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def model_folder(args) -> Path | None:
+    """The folder whose weights both sides use (``--model-dir``, or a fetched catalogue ``--model``); None for an
+    architecture preset (random weights)."""
+    if args.model_dir:
+        return Path(args.model_dir).expanduser()
+    from jaxopd.models.pretrained import PRETRAINED, resolve_model_dir
+
+    return resolve_model_dir(args.model) if args.model in PRETRAINED else None
 
 
 def bench_transformers(hf, batch, prompts, new_tokens, repeats):
@@ -74,7 +102,10 @@ def bench_transformers(hf, batch, prompts, new_tokens, repeats):
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=1.0,
                   top_p=1.0, top_k=0, attention_mask=torch.ones_like(ids), pad_token_id=0)
     with torch.no_grad():
-        hf.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        # one untimed warm-up call (its first 8 prompt tokens, 2 new ones): torch compiles nothing, and a full-length
+        # warm-up would cost as much as a timed call (minutes for a 135M model at batch 64 on 2 cores)
+        hf.generate(ids[:, :8], **{**kwargs, "attention_mask": torch.ones_like(ids[:, :8]), "max_new_tokens": 2,
+                                   "min_new_tokens": 2})
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -120,7 +151,18 @@ def decode_step_stats(records, batch_rows: int) -> dict:
 
 def check_args(args) -> None:
     """The input checks, before any model is built (``jaxopd.cli.UsageError``)."""
-    cli.check_model_preset("--model", args.model)
+    if args.model_dir:
+        cli.check_checkpoint_folder("--model-dir", args.model_dir)
+    else:
+        from jaxopd.models.decoder import PRESETS
+        from jaxopd.models.pretrained import PRETRAINED
+
+        if args.model in PRETRAINED:
+            with cli.usage_errors():
+                model_folder(args)      # fetched? (else the fetch command)
+        elif args.model.lower().replace("_", "-") not in PRESETS:
+            raise cli.UsageError(f"--model {args.model!r} is neither an architecture preset {sorted(PRESETS)} nor "
+                                 f"a catalogue model {sorted(PRETRAINED)}")
     if args.backend:
         import kernels
         choices = [kernels.AUTO, *kernels.available_backends()]
@@ -151,7 +193,15 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     hf = None
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else None)
-    if args.random_init:
+    folder = model_folder(args)
+    if folder is not None:
+        from jaxopd.models.weights import load_model, read_config
+        if args.random_init:
+            model = CausalLM(read_config(folder, dtype=dtype), rngs=nnx.Rngs(0))
+        else:
+            model = load_model(folder, dtype=dtype)
+            hf = None if skip_hf else load_transformers(folder)
+    elif args.random_init:
         model = CausalLM(ModelConfig.preset(args.model, dtype=dtype), rngs=nnx.Rngs(0))
     else:
         from jaxopd.models.weights import load_model
@@ -173,7 +223,8 @@ def main(argv=None):
         for backend in backends:
             config = EngineConfig(max_slots=max_batch, page_size=16, num_pages=max_batch * (seq // 16 + 2) + 1,
                                   max_seq_len=seq, prefill_chunk=min(512, 1 << (args.prompt_len - 1).bit_length()),
-                                  max_prefill_tokens=4096, eos_token_ids=(), attention_backend=backend)
+                                  max_prefill_tokens=4096, eos_token_ids=(), attention_backend=backend,
+                                  scoring=False)   # generation only: warm-up compiles no scoring step
             with Engine(model, config) as engine:
                 t0 = time.perf_counter()
                 compiled[backend] = None if args.no_warmup else engine.warmup()
@@ -182,6 +233,7 @@ def main(argv=None):
                     if args.no_warmup:
                         bench_engine(engine, batch, prompts, args.new_tokens, 1)    # compiles this size's shapes
                     clock.reset()
+                    load_before = os.getloadavg()[0]
                     # interleave the two systems per batch size so both see the same machine state
                     engine_times = bench_engine(engine, batch, prompts, args.new_tokens, args.repeats)
                     clock.wait()
@@ -198,7 +250,8 @@ def main(argv=None):
                                  "transformers_tokens_per_s": h_tps, "ratio": e_tps / h_tps if hf_times else None,
                                  **step, "roofline_s": roof,
                                  "step_over_roofline": step["decode_step_s"] / roof,
-                                 "jaxopd_times_s": engine_times, "transformers_times_s": hf_times})
+                                 "jaxopd_times_s": engine_times, "transformers_times_s": hf_times,
+                                 "load_average_1min": [load_before, os.getloadavg()[0]]})
                     print(f"{backend} batch {batch:>3}: jaxopd {e_tps:8.1f} tok/s   transformers {h_tps:8.1f} tok/s"
                           f"   ratio {e_tps / h_tps if hf_times else float('nan'):.2f}x   decode step "
                           f"{1e3 * step['decode_step_s']:.3f} ms = {step['decode_step_s'] / roof:.2f}x roofline, "
@@ -221,7 +274,12 @@ def write_results(args, rows, cfg, model, weight_bytes, torch, warmup_s, compile
     import jax
     from flax import nnx
 
-    out = {"rows": rows, "model": args.model, "dtype": cfg.dtype, "weight_bytes": weight_bytes,
+    folder = model_folder(args)
+    weights = ("random (jaxopd)" if args.random_init else
+               "random (transformers, seed 0)" if folder is None else str(folder))
+    out = {"rows": rows, "model": args.model_dir or args.model, "model_type": cfg.model_type, "weights": weights,
+           "vocab_size": cfg.vocab_size, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+           "dtype": cfg.dtype, "weight_bytes": weight_bytes,
            "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model)))),
            "torch": getattr(torch, "__version__", None), "torch_threads": args.threads,
            "machine": machine_info(), "bandwidth": args.bandwidth,

@@ -49,7 +49,7 @@ def parse_args(argv=None):
 def check_args(args) -> None:
     from jaxopd.methods.config import SFT_THINKING
 
-    cli.check_model_preset("--model", args.model)
+    cli.check_random_preset("--model", args.model)     # a sub-vocabulary is of Qwen3's ids
     if args.thinking not in SFT_THINKING:
         raise cli.UsageError(f"--thinking {args.thinking!r} is not an SFT thinking; choose one of {SFT_THINKING}")
     for flag in ("batch_size", "window", "steps", "max_supervised_tokens", "requests", "new_tokens", "rounds"):

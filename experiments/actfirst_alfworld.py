@@ -238,7 +238,7 @@ def engine_config_for(preset: Preset, contexts: Sequence[TaskContext], policy: s
 
 
 def build_model(model_name: str, weights: str | None):
-    """The Qwen3 of ``weights`` (a Hugging Face folder) or a randomly initialised ``model_name``."""
+    """The model of ``weights`` (a Hugging Face folder, Qwen3 or Llama) or a randomly initialised ``model_name``."""
     from flax import nnx
     from jaxopd.models.decoder import CausalLM, ModelConfig
 
@@ -349,7 +349,8 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
 
     The keyword arguments exist for tests: ``engine_factory(model, engine_config)`` replaces
     ``jaxopd.sampler.Engine``, ``model_and_info`` the model construction, ``context_set`` the context
-    loading and ``tokenizer`` the offline Qwen3 tokenizer.
+    loading and ``tokenizer`` the model's (``load_tokenizer(options.weights)``: the offline Qwen3 one for random
+    weights).
     """
     preset = options.preset
     preset.validate()
@@ -579,11 +580,12 @@ def prepare_out_dir(out: Path, flag: str = "--out") -> Path:
 
 
 def check_model_choice(model: str, weights: str | None) -> None:
-    """``--model`` names a preset (when no weights are given) and ``--weights`` is a Hugging Face folder."""
+    """``--model`` names a preset that runs with random weights (when no weights are given: the offline Qwen3
+    tokenizer's ids must fit it) and ``--weights`` is a Hugging Face folder."""
     if weights:
         cli.check_checkpoint_folder("--weights", weights)
         return
-    cli.check_model_preset("--model", model)
+    cli.check_random_preset("--model", model)
 
 
 def preflight(options: RunOptions) -> ContextSet | None:

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "seeds, or plot learning curves (--history).")
     p.add_argument("--student", default=None, metavar="DIR", help="Hugging Face model folder of the student")
     p.add_argument("--model-preset", default=None, metavar="NAME",
-                   help="a architecture preset with RANDOM weights (smoke tests only; e.g. tiny)")
+                   help="an architecture preset with RANDOM weights and the offline Qwen3 tokenizer (smoke tests only; "
+                        "e.g. tiny)")
     p.add_argument("--benchmark", default="alfworld", choices=BENCHMARKS)
     p.add_argument("--games", default="auto", choices=GAME_SOURCES,
                    help="ALFWorld games: auto (official under $ALFWORLD_DATA when set, else generated), generated, "
@@ -131,7 +132,7 @@ def check_options(options: EvalOptions) -> None:
     if options.student is not None:
         cli.check_checkpoint_folder("--student", options.student)
     else:
-        cli.check_model_preset("--model-preset", options.model_preset)
+        cli.check_random_preset("--model-preset", options.model_preset)
     if options.benchmark == "alfworld" and options.games != "generated":
         cli.check_alfworld_data()
     known = (*EVAL_SPLITS[options.benchmark], TRAIN_SPLIT[options.benchmark])

@@ -1,32 +1,31 @@
 """The host allocator's settings for XLA on CPU: keep freed memory for the next step instead of faulting it in again.
 
-Owns ``tune_malloc`` and its settings. It is opt-in: a library must not retune the allocator of a process that
-imports it, so only the command lines apply it (``jaxopd.cli.run_main``), and only when ``JAXOPD_MALLOC_TUNING=1``
-is set; the test session leaves glibc's defaults (the tests of this module turn it on in their own processes). XLA on CPU allocates each step's buffers with ``malloc``, from several threads. With glibc's defaults a
-large block is a fresh ``mmap`` unmapped when freed, each thread's arena grows and shrinks its own heaps, and the heap
-top above 128 KiB is trimmed: every step faults its working set in again, page by page, and the kernel zeroes each
-page. On this project's 2-core machine the SFT step of the ``tiny`` preset (16 rows of 1,152 tokens) took 3.3 million
-minor page faults and more kernel than user CPU time (``bench/host_malloc.py``). ``tune_malloc`` sets, through
-``mallopt``:
+Owns ``tune_malloc`` and its settings. It is opt-in: a library must not retune the allocator of a process that imports
+it, so only the command lines apply it (``jaxopd.cli.run_main``), and only when ``JAXOPD_MALLOC_TUNING=1`` is set; the
+test session leaves glibc's defaults (the tests of this module turn it on in their own processes). XLA on CPU
+allocates each step's buffers with ``malloc``, from several threads. With glibc's defaults a large block is a fresh
+``mmap`` unmapped when freed, each thread's arena grows and shrinks its own heaps, and the heap top above 128 KiB is
+trimmed: every step faults its working set in again, page by page, and the kernel zeroes each page. On this project's
+2-core machine the SFT step of the ``tiny`` preset (16 rows of 1,152 tokens) took 3.3 million minor page faults and
+more kernel than user CPU time (``bench/host_malloc.py``). ``tune_malloc`` sets, through ``mallopt``:
 
 - ``M_ARENA_MAX`` 1: every thread allocates from the main heap, where the last step's freed blocks are;
 - ``M_MMAP_MAX`` 0: no block is a private ``mmap`` (they come from the heap and go back to it);
 - ``M_TRIM_THRESHOLD`` -1 (glibc reads it as the largest size: never trim) and ``M_TOP_PAD`` 256 MiB.
 
-After the first step the heap holds the step's peak and a step faults no page. The cost is memory: freed blocks
-stay resident, and with one arena that never trims, steps of changing shapes fragment the heap (an SFT run grew from
-13.4 to 17.6 GiB resident over 60 steps and was killed for memory when a second job shared the machine). So a guard
-thread bounds it: when the machine runs short (``MemAvailable`` below ``LOW_MEMORY_SHARE`` of its memory) or the
-resident set passes ``rss_limit`` (``JAXOPD_MALLOC_RSS_LIMIT_GB``; none by default) it calls ``malloc_trim(0)``,
-which hands every free page back; the next step faults them in again, as without the tuning, and nothing else
-changes. Every tuned process on a machine guards itself, so two of them give memory back before either is killed.
-Only glibc is tuned (elsewhere nothing happens). The settings hold for allocations made after the call, so commands
-call it before jax starts its CPU client. Measured: ``results/bench/host_malloc.md`` (the tiny preset's SFT step
-3.27x faster tuned). Safety under memory pressure: ``tests/test_host_malloc.py`` compiles and runs a new XLA
-program after another beside a guard that trims every half millisecond (60 s here: 182 compiles beside 26,006
-``malloc_trim`` calls, exit 0); the SIGSEGV once seen inside XLA compilation during a full test run on a machine
-shared with other JAX processes was not reproduced with the tuning or without it.
-"""
+After the first step the heap holds the step's peak and a step faults no page. The cost is memory: freed blocks stay
+resident, and with one arena that never trims, steps of changing shapes fragment the heap (an SFT run grew from 13.4
+to 17.6 GiB resident over 60 steps and was killed for memory when a second job shared the machine). So a guard thread
+bounds it: when the machine runs short (``MemAvailable`` below ``LOW_MEMORY_SHARE`` of its memory) or the resident set
+passes ``rss_limit`` (``JAXOPD_MALLOC_RSS_LIMIT_GB``; none by default) it calls ``malloc_trim(0)``, which hands every
+free page back; the next step faults them in again, as without the tuning, and nothing else changes. Every tuned
+process on a machine guards itself, so two of them give memory back before either is killed. Only glibc is tuned
+(elsewhere nothing happens). The settings hold for allocations made after the call, so commands call it before jax
+starts its CPU client. Measured: ``results/bench/host_malloc.md`` (the tiny preset's SFT step 3.27x faster tuned).
+Safety under memory pressure: ``tests/test_host_malloc.py`` compiles and runs a new XLA program after another beside a
+guard that trims every half millisecond (60 s here: 182 compiles beside 26,006 ``malloc_trim`` calls, exit 0); the
+SIGSEGV once seen inside XLA compilation during a full test run on a machine shared with other JAX processes was not
+reproduced with the tuning or without it."""
 from __future__ import annotations
 
 import ctypes

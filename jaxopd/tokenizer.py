@@ -183,11 +183,15 @@ class Tokenizer(abc.ABC):
 
     ``vocab_size`` counts every id the tokenizer can produce (base vocabulary + added tokens, Hugging Face's
     ``len(tokenizer)``); a model's embedding may have more rows. ``eos_token_id`` ends an assistant turn.
+    ``thinking_switch``: whether the chat rendering reads ``enable_thinking`` (Qwen3's template: False puts an
+    empty ``<think>`` block after the generation prompt); a template without one (a Llama's ChatML, SmolLM2's)
+    renders the same text either way.
     """
 
     vocab_size: int
     eos_token_id: int
     pad_token_id: int
+    thinking_switch: bool = False
 
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -212,7 +216,8 @@ class Tokenizer(abc.ABC):
         enable_thinking: bool = True,
         tokenize: bool = False,
     ) -> str | list[int]:
-        """Render ``messages`` in the model's chat format; the ids of that text when ``tokenize``."""
+        """Render ``messages`` in the model's chat format; the ids of that text when ``tokenize``.
+        ``enable_thinking`` applies only where the template has a thinking switch (``thinking_switch``)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -301,6 +306,7 @@ class Qwen3Tokenizer(Tokenizer):
     vocab_size = QWEN3_VOCAB_SIZE
     eos_token_id = 151645        # <|im_end|>: ends every chat turn
     pad_token_id = 151643        # <|endoftext|>
+    thinking_switch = True
 
     def __init__(self) -> None:
         self._encoding = _qwen3_encoding()
@@ -444,6 +450,7 @@ class SubVocabularyTokenizer(Tokenizer):
         self._local = local
         self._bytes = tuple(local[i] for i in byte_token_ids())
         self.vocab_size = len(ids)
+        self.thinking_switch = self.base.thinking_switch
         self.eos_token_id = local[self.base.eos_token_id]
         self.pad_token_id = local[self.base.pad_token_id]
 
@@ -573,7 +580,9 @@ class HFTokenizer(Tokenizer):
     """A Hugging Face folder's own tokenizer (``AutoTokenizer``, local files only) behind ``Tokenizer``.
 
     Encoding never adds BOS/EOS (``add_special_tokens=False``), as chat prompts carry their own markers.
-    ``eos_token_id`` is ``<|im_end|>`` when the vocabulary has it (Qwen chat models), else the folder's EOS.
+    ``eos_token_id`` is ``<|im_end|>`` when the vocabulary has it (ChatML models: Qwen's, SmolLM2's), else the
+    folder's EOS. ``thinking_switch``: the folder's chat template reads ``enable_thinking`` (Qwen3's does; it is
+    passed to no other template).
     """
 
     def __init__(self, folder: str | os.PathLike) -> None:
@@ -602,6 +611,7 @@ class HFTokenizer(Tokenizer):
         else:
             self.pad_token_id = self.eos_token_id
         self._byte_level = _has_byte_level_decoder(self._tokenizer)
+        self.thinking_switch = "enable_thinking" in _template_text(getattr(self._tokenizer, "chat_template", None))
 
     @property
     def hf_tokenizer(self):
@@ -643,13 +653,21 @@ class HFTokenizer(Tokenizer):
     ) -> str | list[int]:
         if not getattr(self._tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer in {self.folder} has no chat template")
+        switch = {"enable_thinking": enable_thinking} if self.thinking_switch else {}
         text = self._tokenizer.apply_chat_template(
             [dict(m) for m in messages],
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
-            enable_thinking=enable_thinking,
+            **switch,
         )
         return self.encode(text) if tokenize else text
+
+
+def _template_text(template: Any) -> str:
+    """A chat template's source: a string, or a mapping of named templates (all of them)."""
+    if isinstance(template, Mapping):
+        return "\n".join(str(t) for t in template.values())
+    return template or ""
 
 
 def _backend(hf_tokenizer):
@@ -691,8 +709,10 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
     """The tokenizer for a model: a ``SubVocabularyTokenizer`` when the folder's ``config.json`` has a token map,
     else the folder's own when it has tokenizer files, else the offline Qwen3 one.
 
-    ``path=None`` or a model folder without tokenizer files (e.g. a checkpoint saved by ``save_pretrained`` of
-    a model only) gives ``Qwen3Tokenizer``; a path that does not exist is an error.
+    ``path=None`` or a Qwen3 model folder without tokenizer files (e.g. a checkpoint saved by ``save_pretrained``
+    of a model only) gives ``Qwen3Tokenizer``; a path that does not exist is an error, and so is a folder of another
+    family (``config.json``'s ``model_type``, e.g. ``llama``) without tokenizer files: Qwen3's ids are not its ids
+    (``save_tokenizer`` writes a folder tokenizer's files beside a model).
     """
     if path is None:
         return Qwen3Tokenizer()
@@ -706,7 +726,33 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
         return SubVocabularyTokenizer(token_map)
     if any((folder / name).is_file() for name in HF_TOKENIZER_FILES):
         return HFTokenizer(folder)
+    model_type = _model_type(folder)
+    if model_type not in (None, "qwen3"):
+        raise ValueError(f"{folder} holds a {model_type} model without tokenizer files "
+                         f"({', '.join(HF_TOKENIZER_FILES)}); the offline tokenizer is Qwen3's, whose ids are not this "
+                         "model's: copy the model's tokenizer files into the folder")
     return Qwen3Tokenizer()
+
+
+def _model_type(folder: Path) -> str | None:
+    """``model_type`` of ``folder/config.json`` (None when there is no readable one)."""
+    try:
+        value = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def save_tokenizer(tokenizer: Tokenizer, folder: str | os.PathLike) -> bool:
+    """Write ``tokenizer`` beside a model saved in ``folder`` so that ``load_tokenizer(folder)`` gives it back: a
+    folder tokenizer (``HFTokenizer``: a Llama's, or a Qwen3 folder's) writes its Hugging Face files, chat template
+    included; the offline Qwen3 tokenizer and a sub-vocabulary one (its token map is in the model's
+    ``config.json``) need none. True when files were written."""
+    if isinstance(tokenizer, HFTokenizer):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        tokenizer.hf_tokenizer.save_pretrained(str(folder))
+        return True
+    return False
 
 
 def qwen_bpe_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:

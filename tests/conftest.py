@@ -57,3 +57,42 @@ def pytest_configure(config):
             "its import name collides with this project's kernels/ package, so transformers' Qwen3 imports ours "
             "and fails. Install the pinned transformers (pip install -e '.[envs,test]') and `pip uninstall kernels`.")
     config.addinivalue_line("markers", "slow: heavier tests (run in CI; deselect with -m 'not slow')")
+
+
+# llama.cpp's pre-tokenizer 'smollm' (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_SMOLLM): two regexes applied in turn,
+# the first isolating every Unicode number code point, the second GPT-2's
+_SMOLLM_REGEXES = (r"\p{N}", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)")
+
+
+def llama_cpp_smollm_ids(text: str, hf_tokenizer, specials: dict[str, int]) -> list[int]:
+    """Token ids of ``text`` as llama.cpp tokenizes a GGUF whose tokenizer.ggml.pre is 'smollm': special tokens
+    matched whole, the two regexes of llama.cpp (each splits the pieces the previous one left; text between
+    matches is kept as its own piece), then byte-level BPE of each piece by ``hf_tokenizer``'s BPE model (the
+    same vocabulary and merges). An independent reference for the pre-tokenizer of an imported tokenizer."""
+    import regex
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    bpe = hf_tokenizer.backend_tokenizer.model
+    ids: list[int] = []
+    parts = regex.split("(" + "|".join(regex.escape(s) for s in specials) + ")", text) if specials else [text]
+    for part in parts:
+        if part in specials:
+            ids.append(specials[part])
+            continue
+        pieces = [part] if part else []
+        for pattern in _SMOLLM_REGEXES:
+            split = []
+            for piece in pieces:
+                at = 0
+                for m in regex.finditer(pattern, piece):
+                    if m.start() > at:
+                        split.append(piece[at:m.start()])
+                    split.append(m.group())
+                    at = m.end()
+                if at < len(piece):
+                    split.append(piece[at:])
+            pieces = split
+        for piece in pieces:
+            ids.extend(t.id for t in bpe.tokenize("".join(byte_chars[b] for b in piece.encode("utf-8"))))
+    return ids

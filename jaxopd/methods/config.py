@@ -22,7 +22,7 @@ PRESETS = ("cpu", "gpu", "paper")
 ROLLOUT_MODES = ("async", "sync")
 SFT_THINKING = ("none", "state", "plan", "plan-here", "task-plan-here", "task-list-plan-here",
                 "task-list-act-here", "task-tool-act-here", "task-tool-refused-act-here")
-"""What an SFT demonstration thinks before its action: ``none`` (Qwen3's empty thinking block), ``state`` (ALFWorld:
+"""What an SFT demonstration thinks before its action: ``none`` (an empty thinking block), ``state`` (ALFWorld:
 a short reasoning over what the prompt shows, ``jaxopd.methods.sft_data.state_thinking``) or ``plan`` (ALFWorld: that
 state and the step it calls for, the tool or the destination, ``jaxopd.methods.sft_data.plan_text``) or
 ``plan-here`` (ALFWorld: the plan and where the agent is, ``jaxopd.methods.sft_data.plan_here_text``) or

@@ -75,7 +75,7 @@ def token_spans(pieces: Sequence[str], start: int, end: int) -> list[int]:
 def demonstration_fit(model: Any, samples: Sequence[Sample], tokenizer: Any, *,
                       goal_objects: Sequence[str | None] | None = None, batch_size: int = 8,
                       length_multiple: int = 128) -> dict[str, float]:
-    """The teacher-forced fit of ``model`` (a Qwen3) to ``samples`` (see the module docstring).
+    """The teacher-forced fit of ``model`` (a ``CausalLM``) to ``samples`` (see the module docstring).
 
     ``goal_objects[i]``: the goal-object class of sample i's task (None: not scored). Returns ``turns``,
     ``response_tokens``, ``response_nll``, ``action_turns`` (turns whose action tags were found), ``action_exact``,

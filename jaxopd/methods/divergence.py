@@ -55,7 +55,7 @@ def exact_reverse_kl(student: tuple[nnx.GraphDef, nnx.State], teacher: tuple[nnx
                      length_multiple: int = 128) -> float:
     """Mean exact KL(student || teacher) over every supervised position of ``samples`` (nats per token).
 
-    ``student`` / ``teacher``: ``(graphdef, params)`` of two Qwen3 models over one vocabulary.
+    ``student`` / ``teacher``: ``(graphdef, params)`` of two models over one vocabulary.
     """
     if not samples:
         raise ValueError("exact_reverse_kl needs at least one sample")

@@ -4,7 +4,7 @@ A demonstration is a validated ``envs.references.ReferenceTrajectory``: the plan
 searching expert's won episode (``config.SFT_DEMONSTRATIONS`` maps ``RunConfig.sft_demonstrations`` to the kind).
 The functions below say "walkthrough" for either.
 
-Owns the teacher's target answer for one turn (:func:`response_text`: Qwen3's thinking block, empty or holding
+Owns the teacher's target answer for one turn (:func:`response_text`: a thinking block, empty or holding
 :func:`state_thinking`'s reasoning over what the prompt shows, :func:`plan_text`'s, which adds the step it
 calls for, or :func:`plan_here_text`'s, which adds where the agent is, chosen by :func:`thinking_text`; and
 the ``<action>`` tag, what the rollout's full think-then-act mode parses), the per-turn prompt inputs of a
@@ -58,9 +58,10 @@ def response_text(action: str, thinking: str = "", action_format: str = "tight")
     """The teacher's answer for one turn: a thinking block followed by the action tag.
 
     Without ``thinking``: ``<think>\\n\\n</think>\\n\\n<action>{action}</action>``, what Qwen3's chat template
-    writes for an assistant turn without reasoning; with it, ``<think>\\n{thinking}\\n</think>\\n\\n<action>…``.
+    writes for an assistant turn without reasoning (the project's answer format for every model family: a Llama
+    tokenizer spells the tags as plain text); with it, ``<think>\\n{thinking}\\n</think>\\n\\n<action>…``.
     ``jaxopd.rollout.actions.extract_action`` parses either back to ``action``. The end-of-turn token
-    (``<|im_end|>``, the tokenizer's ``eos_token_id``) follows it in a sample's ids. ``action_format``
+    (the tokenizer's ``eos_token_id``: ``<|im_end|>`` in ChatML) follows it in a sample's ids. ``action_format``
     (``tags.ACTION_FORMATS``): ``spaced`` writes ``<action> {action}</action>``; ``said`` does so when the thinking
     ends on saying ``action`` (:func:`command_said`), else writes it ``tight``.
     """
@@ -79,8 +80,8 @@ def response_text(action: str, thinking: str = "", action_format: str = "tight")
 
 def fast_action_text(action: str) -> str:
     """The answer to a fast action request: the action tag alone, ``<action>{action}</action>`` (the fast modes'
-    prompt example; the chat template has already closed the empty think block). The end-of-turn token follows it
-    in a sample's ids."""
+    prompt example; a chat template with a thinking switch, Qwen3's, has already closed the empty think block, and
+    one without it, a Llama's, writes none). The end-of-turn token follows it in a sample's ids."""
     _check_action(action, "fast_action_text")
     return f"{ACTION_START}{action}{ACTION_END}"
 
@@ -619,7 +620,7 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
     as a rollout renders it (oldest history pairs dropped first), followed by the ids of
     :func:`response_text` of the turn's action (thinking: ``SFT_THINKING``; ``state``, ``plan`` and ``plan-here``
     write the turn's :func:`thinking_text` into the thinking block) and the
-    tokenizer's end-of-turn token (``<|im_end|>``).
+    tokenizer's end-of-turn token (``eos_token_id``).
     ``loss_mask`` is True exactly on those response ids; ``behavior_logp`` is zeros and ``policy_version`` 0.
     A turn whose prompt does not fit even without history is skipped and counted in ``stats.skipped``.
 
@@ -632,10 +633,10 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
     ``RunConfig.sft_action_format``).
 
     ``mode`` (``FAST_MODES``): the turns as ActFirst-OPD's fast action requests instead, prompts of that mode
-    (the chat template's empty think block closes them) answered by the action tag alone, ``<action>{action}</action>``
-    and the end-of-turn token; ``inverse_dynamics`` prompts also show the reference's next observation o_{t+1}, here
-    the demonstration's own (``ReferenceTrajectory.next_observation``). ``thinking`` and ``action_format`` do not
-    apply to them (``RunConfig.sft_fast_copies``).
+    (Qwen3's template closes them with its empty think block) answered by the action tag alone,
+    ``<action>{action}</action>``, and the end-of-turn token; ``inverse_dynamics`` prompts also show the reference's
+    next observation o_{t+1}, here the demonstration's own (``ReferenceTrajectory.next_observation``). ``thinking``
+    and ``action_format`` do not apply to them (``RunConfig.sft_fast_copies``).
     """
     if mode != SFT_MODE and mode not in FAST_MODES:
         raise ValueError(f"unknown SFT sample mode {mode!r}; expected {SFT_MODE!r} or one of {FAST_MODES}")

@@ -19,8 +19,10 @@ MeshAxes = tuple[str, ...]
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
 
-QWEN3_LOGICAL_AXES = ("vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp")
-"""Every logical axis name a ``jaxopd.models.decoder`` parameter carries."""
+MODEL_LOGICAL_AXES = ("vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp")
+"""Every logical axis name a ``jaxopd.models.decoder`` parameter carries (Qwen3 and Llama alike: Qwen3's q/k norms
+are over ``head_dim``)."""
+QWEN3_LOGICAL_AXES = MODEL_LOGICAL_AXES     # the name before the Llama family (kept for existing callers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +180,6 @@ def loader_sharding(abstract_state: nnx.State, mesh: Mesh, rules: ShardingRules 
     return sharding
 
 
-__all__ = ["DATA_AXIS", "MODEL_AXIS", "QWEN3_LOGICAL_AXES", "ShardingRules", "DEFAULT_RULES",
+__all__ = ["DATA_AXIS", "MODEL_AXIS", "MODEL_LOGICAL_AXES", "QWEN3_LOGICAL_AXES", "ShardingRules", "DEFAULT_RULES",
            "logical_partition_spec", "partition_specs", "named_shardings", "copy_to", "shard_model",
            "loader_sharding"]

@@ -208,8 +208,8 @@ def read_config(folder: str | os.PathLike, *, dtype: str | None = None) -> Model
 
 def check_checkpoint_files(folder: str | os.PathLike) -> ModelConfig:
     """``CheckpointError`` unless ``folder`` holds a Qwen3 or Llama ``config.json`` and safetensors (one file, or
-    every shard its index names) each as long as its header says (a checkpoint whose writing was cut off fails); returns the
-    config. Reads headers only, no tensor."""
+    every shard its index names) each as long as its header says (a checkpoint whose writing was cut off fails);
+    returns the config. Reads headers only, no tensor."""
     config = read_config(folder)
     _tensor_sources(Path(folder))
     return config

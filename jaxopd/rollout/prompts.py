@@ -1,8 +1,8 @@
 """Agent prompts of the ActFirst-OPD generation modes for ALFWorld and ScienceWorld.
 
 Owns the per-benchmark templates of the three modes (full think-then-act, next-action prediction,
-reference-conditioned inverse dynamics; paper Section 4 and App. B.1) and their rendering through the Qwen3
-chat format under a prompt-token budget with oldest-pair-first history truncation (App. B.2). The answer's
+reference-conditioned inverse dynamics; paper Section 4 and App. B.1) and their rendering through the model's
+chat template under a prompt-token budget with oldest-pair-first history truncation (App. B.2). The answer's
 tags are in :mod:`jaxopd.rollout.tags`, its parsing in :mod:`jaxopd.rollout.actions`, budgeted thinking
 (App. B.3) in :mod:`jaxopd.rollout.thinking`.
 """
@@ -205,7 +205,10 @@ def _check_mode(mode: str) -> None:
 
 
 def uses_thinking(mode: GenerationMode) -> bool:
-    """Full responses reason (Qwen3 thinking on); action-only modes get the empty think block."""
+    """Full responses reason; action-only modes do not. With a template that has a thinking switch (Qwen3's:
+    ``Tokenizer.thinking_switch``) this is its ``enable_thinking``, and action-only prompts end in the empty think
+    block it writes; other templates (a Llama's ChatML) have no such switch, and every prompt ends at the open
+    assistant turn (the instruction asks action-only answers for the action tag alone)."""
     _check_mode(mode)
     return mode == "full"
 
@@ -221,11 +224,11 @@ def render_prompt(
 ) -> RenderedPrompt:
     """Render ``mode``'s prompt in the chat format with as much recent history as fits ``max_prompt_tokens``.
 
-    Tokens are counted after the chat template (generation prompt included; the empty think block too for
-    action-only modes). Starting from the whole history, the oldest complete observation–action pair is
-    dropped and the prompt re-rendered until it fits or no history remains; the instruction, current
-    observation, admissible-action information and reference observation are never cut. ValueError when
-    even the no-history prompt is over budget. Cost: one render + encode per dropped pair.
+    Tokens are counted after the chat template (generation prompt included; for action-only modes, the empty
+    think block too where the template writes one: ``uses_thinking``). Starting from the whole history, the oldest
+    complete observation–action pair is dropped and the prompt re-rendered until it fits or no history remains;
+    the instruction, current observation, admissible-action information and reference observation are never cut.
+    ValueError when even the no-history prompt is over budget. Cost: one render + encode per dropped pair.
     """
     _check_mode(mode)
     if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens <= 0:

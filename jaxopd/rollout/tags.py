@@ -1,5 +1,6 @@
 """The tags of the agent's answer format, defined once: the ``<action>…</action>`` pair of the ActFirst-OPD
-prompts (App. B.1) and Qwen3's reasoning delimiters, which the tokenizer owns (they are special tokens)."""
+prompts (App. B.1) and the reasoning delimiters ``<think>``/``</think>``, which the tokenizer owns (Qwen3's added
+tokens; plain text for a tokenizer without them, such as a Llama's)."""
 from __future__ import annotations
 
 from jaxopd.tokenizer import THINK_END, THINK_START

@@ -1,6 +1,6 @@
 """Paged-KV-cache sampler with continuous batching: the engine surface, its public types and two engines.
 
-``EngineProtocol`` is what callers program against; ``Engine`` serves a Qwen3 model on a device,
+``EngineProtocol`` is what callers program against; ``Engine`` serves a ``CausalLM`` (Qwen3 or Llama) on a device,
 ``SimulatedEngine`` (``jaxopd.sampler.simulated``) replays the same scheduling on a virtual clock.
 """
 from jaxopd.sampler.engine import Engine, EngineConfig
