@@ -175,26 +175,35 @@ def test_actionopd_trains_syncs_and_resumes_exactly(source, tokenizer, tmp_path)
         return model
 
     overrides = dict(rollout_mode="sync", learning_rate=1e-3, batch_size=2, first_stage_tokens=24, total_tokens=32,
-                     second_stage_tokens=8)
+                     second_stage_tokens=8, updates=2)
     out = tmp_path / "actionopd"
     summary = train("actionopd", out, source, tokenizer, student=student(), teacher=teacher, **overrides)
-    assert summary["updates"] == 3
+    # the paper's accounting: `updates` counts collection steps, each one epoch of minibatches of batch_size
+    assert summary["collections"] == 2
     records = read_jsonl(out / "train.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["step"] for r in records] == list(range(1, summary["updates"] + 1))
+    by_collection: dict[int, list] = {}
     for record in records:
         assert np.isfinite(record["loss"]) and np.isfinite(record["grad_norm"]) and record["grad_norm"] > 0
+        by_collection.setdefault(record["collection"], []).append(record)
+    assert sorted(by_collection) == [0, 1]
+    for collection, group in by_collection.items():
+        samples = group[0]["collection_samples"]
+        assert samples > 0 and len(group) == -(-samples // 2), (collection, samples, len(group))
+        assert sum(r["batch_samples"] for r in group) == samples      # one epoch: every sample once
     evals = read_jsonl(out / "eval.jsonl")
-    assert [e["served_version"] for e in evals] == [0, 3]
+    assert [e["served_version"] for e in evals] == [0, summary["updates"]]
     assert evals[0]["probe_logprobs"] != evals[1]["probe_logprobs"]
 
-    shutil.rmtree(out / "checkpoints" / "3")
-    (out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    last = summary["updates"]
+    shutil.rmtree(out / "checkpoints" / str(last))
+    (out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
     (out / "eval.jsonl").write_text(json.dumps(evals[0]) + "\n")
     resumed = train("actionopd", out, source, tokenizer, student=student(), teacher=teacher, **overrides)
-    assert resumed["updates"] == 3
+    assert resumed["updates"] == last and resumed["collections"] == 2
     again = read_jsonl(out / "train.jsonl")
-    assert [r["step"] for r in again] == [1, 2, 3]
-    assert again[2]["loss"] == records[2]["loss"]
+    assert [r["step"] for r in again] == list(range(1, last + 1))
+    assert again[-1]["loss"] == records[-1]["loss"]
 
 
 @pytest.mark.slow
@@ -208,8 +217,10 @@ def test_actionopd_without_a_signal_stops_with_a_clear_error(source, tokenizer, 
 
 
 def test_a_changed_config_is_not_resumed(source, tokenizer, tmp_path):
+    from tests.test_train_run_folder import _checkpoint_with_config
+
     config = build_config("vanilla-opd", preset="cpu", **SMALL)
-    (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "learning_rate": 1.0}))
+    _checkpoint_with_config(tmp_path, build_config("vanilla-opd", preset="cpu", **{**SMALL, "learning_rate": 1.0}))
     trainer = Trainer(config, student=CausalLM(MICRO, rngs=nnx.Rngs(0)), teacher=CausalLM(MICRO, rngs=nnx.Rngs(1)),
                       tokenizer=tokenizer, source=source, out_dir=tmp_path, progress=False, log=lambda m: None)
     with pytest.raises(ValueError, match="learning_rate"):

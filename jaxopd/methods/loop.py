@@ -207,7 +207,8 @@ class _Runners:
 class Trainer:
     """One training run (see the module docstring). Build it with the student and teacher models (``CausalLM``
     modules of either family that share the tokenizer), the tokenizer, the task source and an output directory;
-    ``run()`` trains until ``config.updates`` updates and returns the summary. A directory with checkpoints is resumed.
+    ``run()`` trains ``config.updates`` steps (optimizer updates; ActionOPD: collection steps, each one epoch of
+    minibatch updates) and returns the summary. A directory with checkpoints is resumed.
 
     ``evaluate``: optional ``fn(engine, update) -> dict`` called with the student's rollout engine (current
     weights) before training, every ``eval_every`` updates and at the end; its result is logged as ``eval``.
@@ -246,6 +247,7 @@ class Trainer:
         self._tensorboard = tensorboard
         self._on_phase = on_phase
         self._last_failure: str | None = None
+        self._collection_sizes: dict[int, int] = {}     # ActionOPD: trainable samples of each collection step
 
     # ------------------------------------------------------------------ set-up
     def _check_config(self) -> None:
@@ -356,7 +358,12 @@ class Trainer:
             progress = None
             if self.progress:
                 from tqdm import tqdm
-                progress = tqdm(total=config.updates, initial=version, desc=f"{config.method} updates", unit="update")
+                if method.trains_in_collections:        # the paper's steps: collection steps
+                    progress = tqdm(total=config.updates, initial=int(meta["collections"]),
+                                    desc=f"{config.method} collection steps", unit="collection")
+                else:
+                    progress = tqdm(total=config.updates, initial=version, desc=f"{config.method} updates",
+                                    unit="update")
             if not method.trains_in_collections and config.rollout_mode == "async":
                 runners = _Runners(strategy, config.rollout_slots, self._task_at, int(meta["cursor"]),
                                    backlog=config.backlog_limit(), per_episode=config.max_turns)
@@ -365,7 +372,7 @@ class Trainer:
             pending: list[Trajectory] = []
             wall_start = time.perf_counter() - float(meta["wall_s"])
             last_saved = version
-            while version < config.updates:
+            while not self._finished(version, meta, buffer):
                 timings: dict[str, float] = {}
                 t0 = time.perf_counter()
                 # 1. samples: a stream (vanilla / ActFirst / STI, async), waves in task order (sync), or one
@@ -376,6 +383,8 @@ class Trainer:
                     wanted = 1 if method.trains_in_collections else config.batch_size
                     empty = 0
                     while buffer.available(version) < wanted:
+                        if method.trains_in_collections and int(meta["collections"]) >= config.updates:
+                            break       # the last collection step gave nothing left to train on
                         if empty == _MAX_EMPTY_COLLECTIONS:
                             what = "collections" if method.trains_in_collections else "waves"
                             raise RuntimeError(
@@ -395,7 +404,10 @@ class Trainer:
                         pending.extend(trajectories)
                         before = buffer.available(version)
                         buffer.add(self._fit(method.samples(trajectories, collection_id=collection)))
+                        self._collection_sizes[collection] = buffer.available(version) - before
                         empty = empty + 1 if buffer.available(version) == before else 0
+                        if progress is not None and method.trains_in_collections:
+                            progress.update(1)
                         self._stop_if_interrupted(checkpointer, state, buffer, meta, None, version, wall_start)
                 else:
                     failed_in_a_row = 0
@@ -423,6 +435,8 @@ class Trainer:
                         runners.delivered(len(fitted), buffer.available(version))
                         meta["cursor"] = runners.low_water()
                 timings["rollout_s"] = time.perf_counter() - t0
+                if buffer.available(version) == 0:      # ActionOPD's collection steps are done
+                    break
                 # 2. checkpoint with the next batch buffered: a resume takes the same batch
                 if version % config.checkpoint_every == 0 and version != last_saved:
                     t1 = time.perf_counter()
@@ -464,6 +478,10 @@ class Trainer:
                           "buffer": len(buffer), "dropped_stale": buffer.stats.dropped_stale,
                           "dropped_too_long": self._too_long,
                           "episodes": meta["episodes"], "failed_episodes": meta["failed_episodes"]}
+                if method.trains_in_collections:        # which collection step this minibatch belongs to
+                    collection = max(sample.collection for sample in samples)
+                    record.update(collection=collection, collections=int(meta["collections"]),
+                                  collection_samples=self._collection_sizes.get(collection, -1))
                 if isinstance(self.references, LazyReferences):     # references this process built / read
                     record.update(references_built=self.references.built, references_read=self.references.read)
                 pending = []
@@ -471,12 +489,14 @@ class Trainer:
                     raise FloatingPointError(f"update {version}: non-finite loss or gradient {metrics}")
                 writer.write("train", version, record)
                 if progress is not None:
-                    progress.update(1)
+                    if not method.trains_in_collections:
+                        progress.update(1)
                     progress.set_postfix(loss=f"{metrics['loss']:.4f}", buffer=len(buffer))
+                last = self._finished(version, meta, buffer)
                 if self.evaluate_fn is not None and config.eval_every and version % config.eval_every == 0 \
-                        and version < config.updates:
+                        and not last:
                     wall_start += self._evaluate(writer, runners, version, wall_start)
-                if version < config.updates:
+                if not last:
                     self._stop_if_interrupted(checkpointer, state, buffer, meta, runners, version, wall_start)
             meta["wall_s"] = time.perf_counter() - wall_start
             if runners is not None:
@@ -489,7 +509,8 @@ class Trainer:
                 self._evaluate(writer, None, version, wall_start, wall_s=meta["wall_s"])
             if progress is not None:
                 progress.close()
-            return {"updates": version, "wall_s": meta["wall_s"], "episodes": meta["episodes"],
+            return {"updates": version, "collections": int(meta["collections"]), "wall_s": meta["wall_s"],
+                    "episodes": meta["episodes"],
                     "failed_episodes": meta["failed_episodes"], "dropped_stale": buffer.stats.dropped_stale,
                     "out_dir": str(self.out_dir)}
         finally:
@@ -541,6 +562,15 @@ class Trainer:
                 self._last_failure = outcome.error
                 self.log(f"training episode {outcome.task.task_id} failed: {outcome.error}")
         return [outcome.trajectory for outcome in outcomes if outcome.ok]
+
+    def _finished(self, version: int, meta: Mapping[str, Any], buffer: SampleBuffer) -> bool:
+        """Whether the run has trained ``config.updates`` steps as its paper counts them: optimizer updates for the
+        streaming methods; for ActionOPD collection steps (its Table 8: 100 steps of 64 task starts), each followed
+        by one epoch of minibatches over what it collected (App. A.4), so the run ends once the last collection
+        step's epoch is trained."""
+        if self.method.trains_in_collections:
+            return int(meta["collections"]) >= self.config.updates and buffer.available(version) == 0
+        return version >= self.config.updates
 
     def _meta(self, meta: dict[str, Any], runners: _Runners | None) -> dict[str, Any]:
         """A checkpoint's metadata: the counters, and the run's config (what a resume is checked against)."""

@@ -158,10 +158,23 @@ def check_resume(folder: str | os.PathLike, config: Any, *, updates_field: str =
         raise RunFolderError(f"{flag} {str(folder)!r} holds a run with a different config ({', '.join(changed)} "
                              "differ); use another folder or the same settings")
     updates = getattr(config, updates_field)
-    if steps[-1] > updates:
-        raise RunFolderError(f"--{updates_field} {updates} is below update {steps[-1]}, which {flag} "
-                             f"{str(folder)!r} has already trained; give at least {steps[-1]}")
+    trained, what = steps[-1], "update"
+    if _counts_collections(config):     # ActionOPD's steps are collection steps; checkpoints are by update
+        from jaxopd.train.checkpoint import read_checkpoint_metadata
+        metadata = read_checkpoint_metadata(Path(folder) / CHECKPOINTS, steps[-1]) or {}
+        trained, what = int(metadata.get("collections", 0)), "collection step"
+    if trained > updates:
+        raise RunFolderError(f"--{updates_field} {updates} is below {what} {trained}, which {flag} "
+                             f"{str(folder)!r} has already trained; give at least {trained}")
     return steps[-1]
+
+
+def _counts_collections(config: Any) -> bool:
+    from jaxopd.methods.registry import make_method
+    try:
+        return bool(make_method(config).trains_in_collections)
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def save_config(folder: str | os.PathLike, config: Any) -> None:

@@ -74,8 +74,9 @@ def open_gguf(path: str | os.PathLike):
                                 f"has {len(reader.data):,}")
     except GGUFError:
         raise
-    except Exception as e:      # the reader's own errors (struct, memmap, key) on a damaged file
-        raise GGUFError(f"{str(path)!r} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    except Exception as e:      # the reader's own errors (struct, memmap, reshape) on a cut-off or damaged file
+        raise GGUFError(f"{str(path)!r} is cut off or damaged: the GGUF reader fails on its {path.stat().st_size:,} "
+                        f"bytes ({type(e).__name__}: {e})") from None
     return reader
 
 
