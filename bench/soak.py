@@ -1,8 +1,9 @@
 """Soak: many episodes on real environments through the real engine; resident memory and threads must stay flat
 and no JVM may be left behind.
 
-The real ``jaxopd.sampler.Engine`` with a random-weight Qwen3 (``--model``, default the ``tiny`` preset: random
-weights, so the actions are noise; the soak measures the machinery, not an agent), the real Qwen3 tokenizer, and
+The real ``jaxopd.sampler.Engine`` with a random-weight model (``--model``, default the ``tiny`` Qwen3 preset, over
+the tokenizer's vocabulary: random weights, so the actions are noise; the soak measures the machinery, not an
+agent), the real Qwen3 tokenizer, and
 ActFirst-OPD's rollout strategy in its fast-action form (next-action prediction only: the ``no-id`` ablation, one
 action-only request of at most ``--fast-tokens`` tokens per turn; ``--full-tokens N`` adds the asynchronous full
 responses of N tokens). Two ``envs.pool.EnvPool`` instances over real environments: ALFWorld games (the official games

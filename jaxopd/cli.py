@@ -134,7 +134,7 @@ def check_out_dir(flag: str, path: str | os.PathLike, *, create: bool = True) ->
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise UsageError(f"{flag} {str(path)!r} cannot be created: {str(ancestor)!r} is a file")
+        raise UsageError(f"{flag} {str(path)!r} is not writable: {str(ancestor)!r} is a file, not a folder")
     _check_writable_folder(flag, path, ancestor)
     return out
 

