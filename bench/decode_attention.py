@@ -4,9 +4,18 @@ Times ``decode_attention`` of the attention backends (``reference-hnd``'s gather
 kernel with automatic and with no k-splits, ``pallas-tpu`` on a TPU) for one token per row over ``--context``
 cached tokens, bfloat16 pages ``[kv_heads, pages, page_size, head_dim]``, page ids shuffled. The roofline is
 the bytes the step must read (K and V of every row's context) over ``--bandwidth`` (H200: 4.8 TB/s). Also
-checks each backend against the gather (max abs difference). Prints a markdown table and writes JSON.
+checks each backend against the gather (max abs difference). Prints a markdown table and writes JSON (after
+every batch, so a time limit keeps what was measured).
+
+``--sweep`` also times ``pallas-gpu`` over the grid ``--sweep-pages-per-block`` × ``--sweep-stages`` ×
+``--sweep-warps`` × ``--sweep-k-splits`` (k-splits 0: ``auto_k_splits`` per batch); each row records its
+``params``, and ``bench/profile_decode.py --from-sweep`` takes the best point into the whole decode step. One
+kernel configuration alone: ``--backends pallas-gpu`` with ``--k-splits`` / ``--pages-per-block`` /
+``--num-warps`` / ``--num-stages``.
 
     python bench/decode_attention.py --out results/bench/decode_attention.json
+    python bench/decode_attention.py --sweep --batches 1 64 256 --context 256 --sweep-k-splits 0 1 4 \
+        --out results/bench/decode_attention_sweep.json
 """
 from __future__ import annotations
 
@@ -39,15 +48,37 @@ def parse_args(argv=None):
     p.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s for the roofline")
     p.add_argument("--backends", nargs="+", default=None, help="default: those that run natively here")
     p.add_argument("--sweep", action="store_true",
-                   help="also time pallas-gpu over pages_per_block x num_stages x num_warps")
+                   help="also time pallas-gpu over the --sweep-* grid (pages per block x stages x warps x k-splits)")
+    p.add_argument("--sweep-pages-per-block", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--sweep-stages", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--sweep-warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--sweep-k-splits", type=int, nargs="+", default=[0], help="0: automatic (auto_k_splits)")
+    p.add_argument("--k-splits", type=int, default=None, help="pallas-gpu: decode k-splits (0 or unset: automatic)")
+    p.add_argument("--pages-per-block", type=int, default=None, help="pallas-gpu: pages per compute block")
+    p.add_argument("--num-warps", type=int, default=None, help="pallas-gpu: Triton warps")
+    p.add_argument("--num-stages", type=int, default=None, help="pallas-gpu: Triton pipeline stages")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
 
-def sweep_backends():
-    return {f"pallas-gpu ppb={ppb} stages={stages} warps={warps}":
-            PallasGpuBackend(pages_per_block=ppb, num_stages=stages, num_warps=warps)
-            for ppb in (2, 4, 8) for stages in (1, 2, 3) for warps in (4, 8)}
+def kernel_params(args) -> dict:
+    """The pallas-gpu options given as flags (unset ones keep the backend's defaults)."""
+    return {name: getattr(args, name) for name in ("k_splits", "pages_per_block", "num_warps", "num_stages")
+            if getattr(args, name) is not None}
+
+
+def pallas_params(backend: PallasGpuBackend) -> dict:
+    """What ``bench/profile_decode.py --from-sweep`` sets: k-splits (0: automatic), pages per block, warps, stages."""
+    return {"k_splits": backend.k_splits or 0, "pages_per_block": backend.pages_per_block,
+            "num_warps": backend.num_warps, "num_stages": backend.num_stages}
+
+
+def sweep_backends(args=None):
+    grid = args or parse_args([])
+    return {f"pallas-gpu ppb={ppb} stages={stages} warps={warps} splits={splits or 'auto'}":
+            PallasGpuBackend(pages_per_block=ppb, num_stages=stages, num_warps=warps, k_splits=splits or None)
+            for ppb in grid.sweep_pages_per_block for stages in grid.sweep_stages for warps in grid.sweep_warps
+            for splits in grid.sweep_k_splits}
 
 
 BACKEND_NAMES = ("reference-hnd", "pallas-gpu", "pallas-gpu-nosplit", "pallas-tpu")
@@ -59,13 +90,22 @@ def check_args(args) -> None:
         if name not in BACKEND_NAMES:
             raise cli.UsageError(f"--backends {name!r} is not a backend of this bench; choose from "
                                  f"{list(BACKEND_NAMES)}")
+    for flag in ("sweep_pages_per_block", "sweep_stages", "sweep_warps", "sweep_k_splits"):
+        if min(getattr(args, flag)) < (0 if flag == "sweep_k_splits" else 1):
+            raise cli.UsageError(f"--{flag.replace('_', '-')} takes positive values, got {getattr(args, flag)}")
+    for name, value in kernel_params(args).items():
+        if value < (0 if name == "k_splits" else 1):
+            raise cli.UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.out:
         cli.check_out_file("--out", args.out)
 
 
-def backends_for(platform_name: str, names):
+def backends_for(platform_name: str, names, params: dict | None = None):
+    params = dict(params or {})
+    if "k_splits" in params:
+        params["k_splits"] = params["k_splits"] or None
     table = {"reference-hnd": HeadsFirstReferenceBackend(),
-             "pallas-gpu": PallasGpuBackend(),
+             "pallas-gpu": PallasGpuBackend(**params),
              "pallas-gpu-nosplit": PallasGpuBackend(k_splits=1),
              "pallas-tpu": PallasTpuBackend()}
     if names is None:
@@ -90,9 +130,9 @@ def main(argv=None):
     args = parse_args(argv)
     check_args(args)
     platform_name = jax.default_backend()
-    backends = backends_for(platform_name, args.backends)
+    backends = backends_for(platform_name, args.backends, kernel_params(args))
     if args.sweep:
-        backends.update(sweep_backends())
+        backends.update(sweep_backends(args))
     pages_per_seq = -(-args.context // args.page_size)
     rows = []
     for batch in args.batches:
@@ -113,16 +153,22 @@ def main(argv=None):
             outputs[name] = np.asarray(step(q, cache, page_table, lengths), np.float32)
             rows.append(dict(backend=name, batch=batch, context=args.context, seconds=seconds,
                              roofline_seconds=roofline, ratio_to_roofline=seconds / roofline,
-                             kv_bytes=kv_bytes))
+                             kv_bytes=kv_bytes, params=pallas_params(backend)
+                             if isinstance(backend, PallasGpuBackend) else None))
         base = outputs.get("reference-hnd")
         for row in rows[-len(backends):]:
             row["max_abs_diff_vs_gather"] = (None if base is None else
                                              float(np.abs(outputs[row["backend"]] - base).max()))
+        write(args, argv, platform_name, rows)
     print("| backend | batch | µs | roofline µs | × roofline | max |diff| vs gather |\n|---|---|---|---|---|---|")
     for r in rows:
         diff = "" if r["max_abs_diff_vs_gather"] is None else f"{r['max_abs_diff_vs_gather']:.1e}"
         print(f"| {r['backend']} | {r['batch']} | {r['seconds'] * 1e6:.1f} | {r['roofline_seconds'] * 1e6:.1f} | "
               f"{r['ratio_to_roofline']:.2f} | {diff} |")
+    return write(args, argv, platform_name, rows)
+
+
+def write(args, argv, platform_name: str, rows: list) -> dict:
     result = dict(command=" ".join(["python bench/decode_attention.py", *argv]), jax=jax.__version__,
                   platform=platform_name, device=str(jax.devices()[0].device_kind), host=platform.node(),
                   machine=machine_info(),

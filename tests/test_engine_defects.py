@@ -363,7 +363,7 @@ def test_update_weights_checks_the_state_against_the_served_model(real, model):
          r"shape \[32, 1, 8\] at \['layers'\]\[0\]\['attn'\]\['k_weight_dkh'\]"),
         (deeper, r"\['layers'\]\[1\]"),
         (untied, "untied output head"),
-        (model, "not the Qwen3 module"),
+        (model, "not the CausalLM module"),
         ({"embedding_vd": np.zeros((64, 32), np.float32)}, "nnx.State"),
     ]
     leaves_before = jax.tree.leaves(real.executor.state)

@@ -65,7 +65,11 @@ class EngineConfig:
     the backend's decode reads pages in place (``pallas-gpu``, ``pallas-tpu``), since the mixed step's decode
     rows span the whole page window, which a gather backend pays for; off for ``reference`` on CPU. Warm-up
     then compiles one more shape per prefill shape. Outputs equal the separate steps' (same tokens; log-probs
-    to float rounding, as the batch composition differs)."""
+    to float rounding, as the batch composition differs).
+    ``scan_layers`` (opt-in, a decode-step candidate measured on GPUs): every step runs the decoder layers as one
+    ``jax.lax.scan`` over a stacked copy of their parameters, and the layers' KV caches are one page pool
+    (``executor.LayerScan``); costs the layers' parameter bytes once more in device memory. Same tokens as the
+    unrolled layers; log-probs to float rounding."""
 
     max_slots: int = 64
     page_size: int = 16
@@ -82,6 +86,7 @@ class EngineConfig:
     prefix_sharing: bool = True
     scoring: bool = True
     mixed_steps: bool | None = None
+    scan_layers: bool = False
 
     def validate(self) -> None:
         for name in ("max_slots", "page_size", "num_pages", "max_seq_len", "prefill_chunk",
@@ -103,7 +108,7 @@ class EngineConfig:
             kernels.resolve_backend_name(self.attention_backend)
         except ValueError as exc:
             raise ValueError(f"EngineConfig.attention_backend: {exc}") from None
-        for name in ("prefix_sharing", "scoring", "record_events", "overlap"):
+        for name in ("prefix_sharing", "scoring", "record_events", "overlap", "scan_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.mixed_steps is not None and not isinstance(self.mixed_steps, bool):
@@ -159,7 +164,8 @@ class Engine(EngineBase):
                                     max_prefill_rows=config.max_prefill_rows)
         self.executor = Executor(model, num_pages=config.num_pages, page_size=config.page_size,
                                  buckets=self.buckets, attention_backend=config.backend_name,
-                                 scoring=config.scoring, mixed_steps=config.uses_mixed_steps)
+                                 scoring=config.scoring, mixed_steps=config.uses_mixed_steps,
+                                 scan_layers=config.scan_layers)
         self.scheduler = Scheduler(max_slots=config.max_slots, page_size=config.page_size,
                                    num_pages=config.num_pages, policy=config.policy,
                                    prefill_chunk=config.prefill_chunk,

@@ -8,6 +8,13 @@ backend. Token sampling is ``jaxopd.sampler.sampling``; shape buckets are ``jaxo
 call is a pure function of padded arrays; which buckets exist is fixed at construction, and ``warmup``
 compiles exactly the shapes ``Buckets`` can produce, so nothing compiles afterwards. Not thread-safe: the
 engine calls it from one thread at a time.
+
+``scan_layers=True`` (opt-in, ``EngineConfig.scan_layers``) runs the decoder layers of every step as one
+``jax.lax.scan`` over a stacked copy of the layers' parameters (made once per weight update) instead of the
+model's unrolled loop: one compiled layer body instead of ``num_layers`` copies, fewer arguments per call. The
+layers' KV caches are then one pool of ``num_layers * num_pages`` pages (layer ``i``'s page ``p`` is page
+``i * num_pages + p``), so the scanned body writes and reads its layer's pages in place by shifting page ids;
+the model's modules are unchanged (``LayerScan``).
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ from flax import nnx
 
 import kernels
 from jaxopd.models.logprobs import token_log_probs
-from jaxopd.models.decoder import CausalLM
+from jaxopd.models.decoder import CausalLM, rope_cos_sin
 from jaxopd.sampler.allocator import NULL_PAGE
 from jaxopd.sampler.buckets import Buckets
 from jaxopd.sampler.sampling import SamplingArrays, sample_tokens
@@ -73,34 +80,134 @@ class ScoreBatch:
 # ----------------------------------------------------------------------------------------------------------
 # Jitted steps: module-level, so engines over the same model graph, backend and page geometry share compilations
 # ----------------------------------------------------------------------------------------------------------
-def _paged_attend(backend: kernels.AttentionBackend, write_pages, write_offsets, attention):
+def _paged_attend(backend: kernels.AttentionBackend, write_pages, write_offsets, attention,
+                  pages_per_layer: int | None = None):
     """The model's attention step over a paged cache: the backend writes the new keys/values, then
-    ``attention(q, layer_cache)`` attends over everything cached."""
+    ``attention(q, layer_cache, shift)`` attends over everything cached, reading page tables through ``shift``.
+    With ``pages_per_layer`` the cache is the layers' one pool (``scan_layers``): layer ``i`` owns pages
+    ``i * pages_per_layer + p``, so the write's page ids and every page table are shifted by that."""
     def attend(layer_index, q, k, v, layer_cache):
-        del layer_index
-        layer_cache = backend.write(layer_cache, k, v, write_pages, write_offsets)
-        return attention(q, layer_cache), layer_cache
+        if pages_per_layer is None:
+            pages, shift = write_pages, _no_shift
+        else:
+            offset = jnp.asarray(layer_index, jnp.int32) * pages_per_layer
+            pages, shift = write_pages + offset, lambda table: table + offset
+        layer_cache = backend.write(layer_cache, k, v, pages, write_offsets)
+        return attention(q, layer_cache, shift), layer_cache
     return attend
 
 
+def _no_shift(table):
+    return table
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerScan:
+    """How ``scan_layers`` splits the model state's leaves: the non-layer leaves (embedding, final norm, head)
+    stay as they are, and leaf ``j`` of every layer is stacked into one ``[num_layers, ...]`` array. Static (part
+    of ``StaticModel``): positions in the full state's leaves, the layer's graph and leaf structure, and the
+    pages per layer of the cache pool."""
+
+    layer_graphdef: Any
+    layer_treedef: Any
+    outer: tuple[int, ...]                     # positions of the non-layer leaves in the full state's leaves
+    layers: tuple[tuple[int, ...], ...]        # layers[i][j]: position of layer i's leaf j
+    abstract: tuple[Any, ...]                  # ShapeDtypeStruct of every full leaf (placeholders for layers)
+    pages_per_layer: int
+
+    @classmethod
+    def of(cls, model: CausalLM, state: Any, pages_per_layer: int) -> "LayerScan":
+        full = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+        index = {path: k for k, path in enumerate(full)}
+        layer_graphdef, layer_state = nnx.split(model.layers[0])
+        suffixes = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(layer_state)[0]]
+        try:
+            layers = tuple(tuple(index[f"['layers'][{i}]{suffix}"] for suffix in suffixes)
+                           for i in range(len(model.layers)))
+        except KeyError as missing:
+            raise ValueError(f"scan_layers: the layers' parameters differ in structure ({missing})") from None
+        in_layers = {k for layer in layers for k in layer}
+        outer = tuple(k for k in range(len(full)) if k not in in_layers)
+        extra = [full[k] for k in outer if full[k].startswith("['layers']")]
+        if extra:
+            raise ValueError(f"scan_layers: the layers' parameters differ in structure ({extra[0]})")
+        return cls(layer_graphdef, jax.tree.structure(layer_state), outer, layers,
+                   tuple(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in jax.tree.leaves(state)),
+                   pages_per_layer)
+
+    def split(self, leaves: list) -> tuple[list, list]:
+        """The full state's leaves as (non-layer leaves, stacked layer leaves); stacking copies the layers."""
+        return [leaves[k] for k in self.outer], _stack_layers([[leaves[k] for k in layer] for layer in self.layers])
+
+    def __hash__(self) -> int:
+        return hash((self.layer_graphdef, self.layer_treedef, self.outer, self.layers, self.pages_per_layer))
+
+
+@jax.jit
+def _stack_layers(layers):
+    return [jnp.stack(leaves) for leaves in zip(*layers)]
+
+
 class StaticModel:
-    """The static half of a split model for ``decode_step``: the graph definition and the state's tree
-    structure, hashed once. (Hashing an ``nnx.GraphDef`` costs about 50 µs, and jit hashes its static arguments
-    on every call; equality is checked by identity first.) Equal graphs and structures are equal, so engines
-    over the same model graph still share compilations."""
+    """The static half of a split model for the jitted steps: the graph definition and the state's tree
+    structure (and the ``LayerScan`` of ``scan_layers``), hashed once. (Hashing an ``nnx.GraphDef`` costs about
+    50 µs, and jit hashes its static arguments on every call; equality is checked by identity first.) Equal
+    graphs and structures are equal, so engines over the same model graph still share compilations."""
 
-    __slots__ = ("graphdef", "treedef", "_hash")
+    __slots__ = ("graphdef", "treedef", "scan", "_hash")
 
-    def __init__(self, graphdef, treedef):
-        self.graphdef, self.treedef = graphdef, treedef
-        self._hash = hash((graphdef, treedef))
+    def __init__(self, graphdef, treedef, scan: LayerScan | None = None):
+        self.graphdef, self.treedef, self.scan = graphdef, treedef, scan
+        self._hash = hash((graphdef, treedef, scan))
 
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other) -> bool:
         return self is other or (isinstance(other, StaticModel) and self._hash == other._hash
-                                 and self.graphdef == other.graphdef and self.treedef == other.treedef)
+                                 and self.graphdef == other.graphdef and self.treedef == other.treedef
+                                 and self.scan == other.scan)
+
+
+def _merge(static: StaticModel, state_leaves) -> CausalLM:
+    """The model of a step's state leaves. Under ``scan_layers`` its layers hold shape-only placeholders (only the
+    embedding, final norm and head are read from it; ``_hidden_states`` scans the stacked layer leaves)."""
+    if static.scan is None:
+        return nnx.merge(static.graphdef, jax.tree.unflatten(static.treedef, state_leaves))
+    full = list(static.scan.abstract)
+    for k, leaf in zip(static.scan.outer, state_leaves[0]):
+        full[k] = leaf
+    return nnx.merge(static.graphdef, jax.tree.unflatten(static.treedef, full))
+
+
+def _hidden_states(static: StaticModel, model: CausalLM, state_leaves, tokens, positions, attend, kv):
+    """``model.hidden_states`` (the unrolled layers, one cache per layer), or under ``scan_layers`` the same
+    computation with the layers as one ``lax.scan`` over the stacked layer leaves, threading the one cache pool."""
+    scan = static.scan
+    if scan is None:
+        return model.hidden_states(tokens, positions, attend, kv)
+    cfg = model.config
+    x = jnp.take(model.embedding_vd[...], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+
+    def layer_step(carry, xs):
+        x, kv = carry
+        index, leaves = xs
+        layer = nnx.merge(scan.layer_graphdef, jax.tree.unflatten(scan.layer_treedef, leaves))
+        return layer(index, x, cos, sin, attend, kv), None
+
+    (x, kv), _ = jax.lax.scan(layer_step, (x, kv), (jnp.arange(len(scan.layers), dtype=jnp.int32),
+                                                    state_leaves[1]))
+    return model.final_norm(x), kv
+
+
+def _pages_per_layer(static: StaticModel) -> int | None:
+    return None if static.scan is None else static.scan.pages_per_layer
+
+
+def _first_layer(static: StaticModel, kv):
+    """A cache the backend can read the page size of: the first layer's, or the pool under ``scan_layers``."""
+    return kv if static.scan is not None else kv[0]
 
 
 def _decode_writes(positions, active, page_table, page_size):
@@ -125,42 +232,45 @@ def _chunk_writes(starts, lengths, length, page_table, page_size):
 def decode_step(static: StaticModel, backend: kernels.AttentionBackend, state_leaves, kv, head_dv, tokens,
                 positions, page_table, active, temperature, top_p, top_k, seeds):
     """One token for every row: write its KV at ``positions``, attend over the row's pages, sample.
-    ``state_leaves``: the model state's leaves (flattened once per weight update, not per call)."""
-    model = nnx.merge(static.graphdef, jax.tree.unflatten(static.treedef, state_leaves))
-    write_pages, write_offsets = _decode_writes(positions, active, page_table, backend.page_size(kv[0]))
+    ``state_leaves``: the model state's leaves (flattened once per weight update, not per call; under
+    ``scan_layers`` the pair (non-layer leaves, stacked layer leaves))."""
+    model = _merge(static, state_leaves)
+    write_pages, write_offsets = _decode_writes(positions, active, page_table,
+                                                backend.page_size(_first_layer(static, kv)))
     write_pages, write_offsets = write_pages[:, None], write_offsets[:, None]
 
-    def attention(q, layer_cache):
-        return backend.decode_attention(q[:, 0], layer_cache, page_table, positions + 1)[:, None]
+    def attention(q, layer_cache, shift):
+        return backend.decode_attention(q[:, 0], layer_cache, shift(page_table), positions + 1)[:, None]
 
-    attend = _paged_attend(backend, write_pages, write_offsets, attention)
-    hidden, kv = model.hidden_states(tokens[:, None], positions[:, None], attend, kv)
+    attend = _paged_attend(backend, write_pages, write_offsets, attention, _pages_per_layer(static))
+    hidden, kv = _hidden_states(static, model, state_leaves, tokens[:, None], positions[:, None], attend, kv)
     logits = model.logits(hidden[:, 0], head_dv)
     next_tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, seeds, positions + 1)
     return kv, next_tokens, logprobs
 
 
-def _prefill_hidden(model, backend: kernels.AttentionBackend, kv, tokens, starts, lengths, page_table):
+def _prefill_hidden(static: StaticModel, model, state_leaves, backend: kernels.AttentionBackend, kv, tokens,
+                    starts, lengths, page_table):
     """The model's hidden states over one prompt chunk per row, writing the chunk's KV into its pages (padding
     positions write to the null page) and attending causally over everything cached: the shared body of
     ``prefill_step`` and ``score_step``."""
     positions, write_pages, write_offsets = _chunk_writes(starts, lengths, tokens.shape[1], page_table,
-                                                          backend.page_size(kv[0]))
+                                                          backend.page_size(_first_layer(static, kv)))
 
-    def attention(q, layer_cache):
-        return backend.prefill_attention(q, layer_cache, page_table, positions)
+    def attention(q, layer_cache, shift):
+        return backend.prefill_attention(q, layer_cache, shift(page_table), positions)
 
-    attend = _paged_attend(backend, write_pages, write_offsets, attention)
-    return model.hidden_states(tokens, positions, attend, kv)
+    attend = _paged_attend(backend, write_pages, write_offsets, attention, _pages_per_layer(static))
+    return _hidden_states(static, model, state_leaves, tokens, positions, attend, kv)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def prefill_step(graphdef, backend: kernels.AttentionBackend, state, kv, head_dv, tokens, starts, lengths,
-                 page_table, temperature, top_p, top_k, seeds):
+def prefill_step(static: StaticModel, backend: kernels.AttentionBackend, state_leaves, kv, head_dv, tokens, starts,
+                 lengths, page_table, temperature, top_p, top_k, seeds):
     """One prompt chunk per row: write its KV, attend causally over everything cached, sample after the
     chunk's last real token (used only when the chunk completes the prompt)."""
-    model = nnx.merge(graphdef, state)
-    hidden, kv = _prefill_hidden(model, backend, kv, tokens, starts, lengths, page_table)
+    model = _merge(static, state_leaves)
+    hidden, kv = _prefill_hidden(static, model, state_leaves, backend, kv, tokens, starts, lengths, page_table)
     last = jnp.maximum(lengths - 1, 0)
     logits = model.logits(hidden[jnp.arange(tokens.shape[0]), last], head_dv)
     next_tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, seeds, starts + lengths)
@@ -176,10 +286,10 @@ def mixed_step(static: StaticModel, backend: kernels.AttentionBackend, state_lea
     ``prefill`` = (tokens [Rp, L], starts, lengths, page_table [Rp, P], temperature, top_p, top_k, seeds);
     ``decode`` = (tokens [Rd], positions, page_table [Rd, P], active, temperature, top_p, top_k, seeds).
     Returns the cache, then (tokens, log-probs) of the prefill rows and of the decode rows."""
-    model = nnx.merge(static.graphdef, jax.tree.unflatten(static.treedef, state_leaves))
+    model = _merge(static, state_leaves)
     p_tokens, p_starts, p_lengths, p_table, *p_sampling = prefill
     d_tokens, d_positions, d_table, d_active, *d_sampling = decode
-    page_size = backend.page_size(kv[0])
+    page_size = backend.page_size(_first_layer(static, kv))
     rows_p, length = p_tokens.shape
     n_prefill = rows_p * length
     p_positions, p_pages, p_offsets = _chunk_writes(p_starts, p_lengths, length, p_table, page_size)
@@ -187,16 +297,16 @@ def mixed_step(static: StaticModel, backend: kernels.AttentionBackend, state_lea
     write_pages = jnp.concatenate([p_pages.reshape(-1), d_pages])[None, :]
     write_offsets = jnp.concatenate([p_offsets.reshape(-1), d_offsets])[None, :]
 
-    def attention(q, layer_cache):
+    def attention(q, layer_cache, shift):
         q_prefill = q[0, :n_prefill].reshape(rows_p, length, *q.shape[2:])
-        out_prefill = backend.prefill_attention(q_prefill, layer_cache, p_table, p_positions)
-        out_decode = backend.decode_attention(q[0, n_prefill:], layer_cache, d_table, d_positions + 1)
+        out_prefill = backend.prefill_attention(q_prefill, layer_cache, shift(p_table), p_positions)
+        out_decode = backend.decode_attention(q[0, n_prefill:], layer_cache, shift(d_table), d_positions + 1)
         return jnp.concatenate([out_prefill.reshape(n_prefill, *q.shape[2:]), out_decode])[None]
 
-    attend = _paged_attend(backend, write_pages, write_offsets, attention)
+    attend = _paged_attend(backend, write_pages, write_offsets, attention, _pages_per_layer(static))
     tokens = jnp.concatenate([p_tokens.reshape(-1), d_tokens])[None, :]
     positions = jnp.concatenate([p_positions.reshape(-1), d_positions])[None, :]
-    hidden, kv = model.hidden_states(tokens, positions, attend, kv)
+    hidden, kv = _hidden_states(static, model, state_leaves, tokens, positions, attend, kv)
     last = jnp.maximum(p_lengths - 1, 0)
     p_hidden = hidden[0, :n_prefill].reshape(rows_p, length, -1)[jnp.arange(rows_p), last]
     logits = model.logits(jnp.concatenate([p_hidden, hidden[0, n_prefill:]]), head_dv)
@@ -207,13 +317,13 @@ def mixed_step(static: StaticModel, backend: kernels.AttentionBackend, state_lea
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def score_step(graphdef, backend: kernels.AttentionBackend, state, kv, head_dv, tokens, starts, lengths,
-               page_table, targets, temperature):
+def score_step(static: StaticModel, backend: kernels.AttentionBackend, state_leaves, kv, head_dv, tokens, starts,
+               lengths, page_table, targets, temperature):
     """A prefill chunk per row (KV written as ``prefill_step`` does) that returns, at every position, the
     float32 log-probability of ``targets`` there under ``tempered_log_softmax(logits, temperature)``.
     The vocabulary projection runs one row at a time (``[L, V]`` logits, never ``[R, L, V]``)."""
-    model = nnx.merge(graphdef, state)
-    hidden, kv = _prefill_hidden(model, backend, kv, tokens, starts, lengths, page_table)
+    model = _merge(static, state_leaves)
+    hidden, kv = _prefill_hidden(static, model, state_leaves, backend, kv, tokens, starts, lengths, page_table)
 
     def row_log_probs(args):
         row_hidden, row_targets, row_temperature = args
@@ -252,7 +362,8 @@ class Executor:
     prefill and decode steps on host batches."""
 
     def __init__(self, model: CausalLM, *, num_pages: int, page_size: int, buckets: Buckets,
-                 attention_backend: str = "auto", scoring: bool = True, mixed_steps: bool = False):
+                 attention_backend: str = "auto", scoring: bool = True, mixed_steps: bool = False,
+                 scan_layers: bool = False):
         cfg = model.config
         self.config = cfg
         self.num_pages = num_pages
@@ -263,6 +374,12 @@ class Executor:
         self.mixed_steps = mixed_steps
         self.graphdef, self.state = nnx.split(model)
         self._state_treedef = jax.tree.structure(self.state)
+        self.scan_layers = scan_layers
+        self._scan = LayerScan.of(model, self.state, num_pages) if scan_layers else None
+        pool = cfg.num_layers * num_pages * page_size * cfg.num_kv_heads * cfg.head_dim
+        if scan_layers and getattr(self.backend, "decode_in_place", False) and pool >= 2 ** 31:
+            raise ValueError(f"scan_layers: the layers' one page pool would hold {pool:,} elements per K/V array, "
+                             f"past the 32-bit offsets of the {self.backend.name} kernel; lower num_pages")
         self._abstract_state = {path: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
                                 for path, leaf in _path_leaves(self.state).items()}
         self.head_dv = None
@@ -270,9 +387,13 @@ class Executor:
         self.set_state(self.state)
         self.kv = self._new_cache()
 
-    def _new_cache(self) -> list:
+    def _new_cache(self) -> Any:
+        """One cache per layer, or under ``scan_layers`` one pool of ``num_layers * num_pages`` pages."""
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
+        if self.scan_layers:
+            return self.backend.init_layer_cache(cfg.num_layers * self.num_pages, self.page_size, cfg.num_kv_heads,
+                                                 cfg.head_dim, dtype)
         return [self.backend.init_layer_cache(self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
                 for _ in range(cfg.num_layers)]
 
@@ -300,7 +421,7 @@ class Executor:
     def prefill(self, batch: PrefillBatch) -> tuple[np.ndarray, np.ndarray]:
         s = batch.sampling
         self.kv, tokens, logprobs = prefill_step(
-            self.graphdef, self.backend, self.state, self.kv, self.head_dv, batch.tokens, batch.starts,
+            self._static, self.backend, self._state_leaves, self.kv, self.head_dv, batch.tokens, batch.starts,
             batch.lengths, batch.page_table, s.temperature, s.top_p, s.top_k, s.seeds)
         return np.asarray(tokens), np.asarray(logprobs)
 
@@ -318,7 +439,7 @@ class Executor:
     def score(self, batch: ScoreBatch) -> np.ndarray:
         """Prefill ``batch`` and return the float32 ``[R, L]`` log-probs of its targets."""
         self.kv, logprobs = score_step(
-            self.graphdef, self.backend, self.state, self.kv, self.head_dv, batch.tokens, batch.starts,
+            self._static, self.backend, self._state_leaves, self.kv, self.head_dv, batch.tokens, batch.starts,
             batch.lengths, batch.page_table, batch.targets, batch.temperature)
         return np.asarray(logprobs)
 
@@ -357,10 +478,13 @@ class Executor:
 
     def set_state(self, state: Any) -> None:
         """Swap in new weights (same structure, shapes and dtypes, see ``check_state``: no recompilation). On
-        CPU a tied model also keeps a ``[D, V]`` copy of its embedding for the logits matmul."""
+        CPU a tied model also keeps a ``[D, V]`` copy of its embedding for the logits matmul; under
+        ``scan_layers`` the steps read a stacked copy of the layers' parameters, made here (the layers' bytes
+        once more in device memory)."""
         self.state = state
-        self._static = StaticModel(self.graphdef, self._state_treedef)
-        self._state_leaves = jax.tree.leaves(state)
+        self._static = StaticModel(self.graphdef, self._state_treedef, self._scan)
+        leaves = jax.tree.leaves(state)
+        self._state_leaves = leaves if self._scan is None else self._scan.split(leaves)
         if self._materialize_head:
             self.head_dv = _transposed_embedding(state)
 
@@ -404,5 +528,5 @@ def _idle_prefill(rows: int, length: int, pages: int) -> PrefillBatch:
                         np.zeros((rows, pages), np.int32), SamplingArrays.empty(rows))
 
 
-__all__ = ["DecodeBatch", "PrefillBatch", "MixedBatch", "StaticModel", "ScoreBatch", "decode_step", "prefill_step",
-           "mixed_step", "score_step", "compiled_count", "Executor"]
+__all__ = ["DecodeBatch", "PrefillBatch", "MixedBatch", "StaticModel", "LayerScan", "ScoreBatch", "decode_step",
+           "prefill_step", "mixed_step", "score_step", "compiled_count", "Executor"]
