@@ -41,13 +41,16 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, nargs="+", default=[3],
+                   help="timed runs per batch size and system (median reported): one count for all, or one per "
+                        "--batches entry (e.g. 3 3 2 1: the large batches of a 135M model cost minutes per run)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch intra-op threads")
     p.add_argument("--model", default="tiny",
                    help="a jaxopd architecture preset (random weights made by transformers), or a catalogue model "
                         "of jaxopd.models.pretrained (its fetched weights: python -m experiments.fetch_model NAME)")
     p.add_argument("--model-dir", default=None, metavar="DIR",
-                   help="a Hugging Face folder of a Qwen3 or Llama model: its weights on both sides (overrides --model)")
+                   help="a Hugging Face folder of a Qwen3 or Llama model: its weights on both sides "
+                        "(overrides --model)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--random-init", action="store_true",
                    help="build the jaxopd model at random (no transformers checkpoint; implies --skip-transformers)")
@@ -169,6 +172,9 @@ def check_args(args) -> None:
         for name in args.backend:
             if name not in choices:
                 raise cli.UsageError(f"--backend {name!r} is not an attention backend; choose one of {choices}")
+    if len(args.repeats) not in (1, len(args.batches)) or min(args.repeats) < 1:
+        raise cli.UsageError(f"--repeats takes one count >= 1 or one per --batches entry ({len(args.batches)}), got "
+                             f"{args.repeats}")
     cli.check_out_file("--out", args.out)
 
 
@@ -229,24 +235,25 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 compiled[backend] = None if args.no_warmup else engine.warmup()
                 warmup_s[backend] = time.perf_counter() - t0
-                for batch in args.batches:
+                for batch, repeats in zip(args.batches, args.repeats * len(args.batches)
+                                          if len(args.repeats) == 1 else args.repeats):
                     if args.no_warmup:
                         bench_engine(engine, batch, prompts, args.new_tokens, 1)    # compiles this size's shapes
                     clock.reset()
                     load_before = os.getloadavg()[0]
                     # interleave the two systems per batch size so both see the same machine state
-                    engine_times = bench_engine(engine, batch, prompts, args.new_tokens, args.repeats)
+                    engine_times = bench_engine(engine, batch, prompts, args.new_tokens, repeats)
                     clock.wait()
                     step = decode_step_stats(clock.records, bucket(batch, engine.buckets.decode_rows))
                     hf_times = ([] if skip_hf else
-                                bench_transformers(hf, batch, prompts, args.new_tokens, args.repeats))
+                                bench_transformers(hf, batch, prompts, args.new_tokens, repeats))
                     tokens = batch * args.new_tokens
                     e_tps = tokens / statistics.median(engine_times)
                     h_tps = tokens / statistics.median(hf_times) if hf_times else float("nan")
                     roof = roofline_seconds(cfg, weight_bytes, batch, args.prompt_len + args.new_tokens / 2,
                                             args.bandwidth)
                     rows.append({"backend": backend, "batch": batch, "new_tokens": args.new_tokens,
-                                 "prompt_len": args.prompt_len, "jaxopd_tokens_per_s": e_tps,
+                                 "prompt_len": args.prompt_len, "repeats": repeats, "jaxopd_tokens_per_s": e_tps,
                                  "transformers_tokens_per_s": h_tps, "ratio": e_tps / h_tps if hf_times else None,
                                  **step, "roofline_s": roof,
                                  "step_over_roofline": step["decode_step_s"] / roof,
