@@ -54,7 +54,7 @@ CASES = [
     ("experiments.report", "out", ["{file}"], None, ["OUT_DIR", "{file}", "not a folder"]),
     # bench.sampler_throughput
     ("bench.sampler_throughput", "preset", ["--model", "laptop", "--out", "{out}/r.json"], None,
-     ["--model", "laptop", "not a model preset"]),
+     ["--model", "laptop", "neither an architecture preset", "nor"]),
     ("bench.sampler_throughput", "out", ["--out", "{blocked}/r.json"], None, ["--out", "{blocked}", "not writable"]),
     # bench.engine_overhead
     ("bench.engine_overhead", "preset", ["--model", "laptop", "--out", "{out}/r.json"], None,
