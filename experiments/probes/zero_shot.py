@@ -255,9 +255,11 @@ def probe(strategy, states: Sequence[ProbeState], modes: Sequence[str], action_t
     return records
 
 
-def summarize(records: Sequence[dict[str, Any]], modes: Sequence[str], num_examples: int) -> dict[str, Any]:
-    """Per mode: shares parsable / admissible / equal to the walkthrough's next action, truncated; response tokens;
-    the first ``num_examples`` responses."""
+def summarize(records: Sequence[dict[str, Any]], modes: Sequence[str], num_examples: int,
+              first_stage_tokens: int) -> dict[str, Any]:
+    """Per mode: shares parsable / admissible / equal to the walkthrough's next action, truncated, cut off at the
+    first stage (early-stop text inserted) and continued by a second stage; response tokens; the first
+    ``num_examples`` responses."""
     out = {}
     for mode in modes:
         rows = [r for r in records if r["mode"] == mode]
@@ -270,6 +272,8 @@ def summarize(records: Sequence[dict[str, Any]], modes: Sequence[str], num_examp
             "share_equals_walkthrough": sum(r["equals_walkthrough"] for r in rows) / n,
             "share_truncated": sum(r["truncated"] for r in rows) / n,
             "share_early_stop_inserted": sum(r["inserted_tokens"] > 0 for r in rows) / n,
+            "share_second_stage": sum(r["inserted_tokens"] > 0 and r["response_tokens"] > first_stage_tokens
+                                      for r in rows) / n,
             "mean_response_tokens": statistics.fmean(tokens),
             "median_response_tokens": statistics.median(tokens),
             "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in rows),
@@ -290,8 +294,20 @@ def _quote(text: str, limit: int = 400) -> str:
     return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "⏎")
 
 
+THINK_BUDGETS = {(48, 64, 16): "the `cpu` preset's", (384, 512, 128): "the papers' training budget",
+                 (1920, 2048, 128): "the papers' evaluation budget"}
+ACTION_BUDGETS = {24: "the `cpu` preset's", 512: "the papers' (App. C.5)"}
+
+
 def readme(result: dict[str, Any]) -> str:
     s = result["settings"]
+    think = (s["first_stage_tokens"], s["total_tokens"], s["second_stage_tokens"])
+    room = s.get("second_stage_room_tokens")
+    room_note = "" if room is None else (
+        f"; the early-stop text is {s['early_stop_text_tokens']} tokens in this tokenizer, so a first stage cut off at "
+        f"{s['first_stage_tokens']} tokens leaves {s['total_tokens']} − {s['first_stage_tokens']} − "
+        f"{s['early_stop_text_tokens']} = {room} tokens for the second stage"
+        + (" — none: such a response ends there, truncated, with no action" if room <= 0 else ""))
     lines = [
         f"# Zero-shot probe: {result['model']['name']} on ALFWorld states",
         "",
@@ -311,21 +327,25 @@ def readme(result: dict[str, Any]) -> str:
         f"`jaxopd.methods.evaluate.PAPER_TEMPERATURE`), top-p {s['top_p']}, top-k off, seed {s['seed']} (per request "
         "`request_seed(seed, task, turn, role)` as in the rollouts)",
         f"- think-then-act: App. B.3 thinking budget {s['first_stage_tokens']} first-stage / {s['total_tokens']} total "
-        f"/ {s['second_stage_tokens']} second-stage tokens (the `cpu` preset's; the papers' evaluation uses "
-        f"1920 / 2048 / 128); action-only: at most {s['action_tokens']} tokens, stop at `</action>`; prompt budget "
-        f"{s['max_prompt_tokens']:,} tokens",
+        f"/ {s['second_stage_tokens']} second-stage tokens ({THINK_BUDGETS.get(think, 'set by --think-tokens')}; "
+        f"the papers' evaluation uses 1920 / 2048 / 128){room_note}; action-only: at most {s['action_tokens']} tokens "
+        f"({ACTION_BUDGETS.get(s['action_tokens'], 'set by --action-tokens')}), stop at `</action>` or the end of "
+        f"the turn; prompt budget {s['max_prompt_tokens']:,} tokens",
         "- parsable: `extract_action` finds an action (a truncated response has none); admissible: "
         "`is_action_valid` (normalised text in the state's admissible commands); = walkthrough: the action equals "
-        "the walkthrough's next one",
+        "the walkthrough's next one; truncated: the limit was reached without `</action>`; second stage: the "
+        "first stage was cut off and App. B.3's continuation ran; response tokens: model-generated (inserted "
+        "early-stop tokens excluded)",
         "",
-        "| mode | responses | parsable | admissible | = walkthrough | truncated | mean response tokens "
-        "| mean prompt tokens |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | responses | parsable | admissible | = walkthrough | truncated | second stage | mean response "
+        "tokens | mean prompt tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode, m in result["modes"].items():
+        second = _pct(m["share_second_stage"]) if mode == "full" and "share_second_stage" in m else "—"
         lines.append(f"| {MODE_NAMES[mode]} | {m['responses']} | {_pct(m['share_parsable'])} | "
                      f"{_pct(m['share_admissible'])} | {_pct(m['share_equals_walkthrough'])} | "
-                     f"{_pct(m['share_truncated'])} | {m['mean_response_tokens']:.1f} | "
+                     f"{_pct(m['share_truncated'])} | {second} | {m['mean_response_tokens']:.1f} | "
                      f"{m['mean_prompt_tokens']:.0f} |")
     for mode, m in result["modes"].items():
         lines += ["", f"Examples, {MODE_NAMES[mode]} (the first {len(m['examples'])} states; ⏎ = newline):", "",
@@ -375,6 +395,7 @@ def run(args, folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     tokenizer = load_tokenizer(folder)
     cfg = model.config
     config = rollout_config(args, cfg.max_position_embeddings)
+    early_stop_tokens = early_stop_text_tokens(tokenizer)
     t_model = time.perf_counter()
 
     # size the engine from the rendered prompts (every prompt plus its longest response fits)
@@ -417,14 +438,43 @@ def run(args, folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                      "seed": args.seed, "first_stage_tokens": config.thinking_budget.first_stage_tokens,
                      "total_tokens": config.thinking_budget.total_tokens,
                      "second_stage_tokens": config.thinking_budget.second_stage_max_tokens,
+                     "early_stop_text_tokens": early_stop_tokens,
+                     "second_stage_room_tokens": (config.thinking_budget.total_tokens
+                                                  - config.thinking_budget.first_stage_tokens - early_stop_tokens),
                      "action_tokens": args.action_tokens, "max_prompt_tokens": config.max_prompt_tokens,
                      "modes": list(args.modes), "engine": dataclasses.asdict(engine_config)},
-        "modes": summarize(records, args.modes, args.examples),
+        "modes": summarize(records, args.modes, args.examples, config.thinking_budget.first_stage_tokens),
         "timings_s": {"states": t_states - t_start, "model": t_model - t_states, "generation": t_gen - t_gen0},
         "wall_s": time.perf_counter() - t_start,
         "engine_stats": engine_stats,
     }
     return result, records
+
+
+def early_stop_text_tokens(tokenizer) -> int:
+    """Tokens of App. B.3's early-stop text when reasoning is still open (``jaxopd.rollout.thinking``)."""
+    from jaxopd.rollout.thinking import early_stop_text
+
+    return len(tokenizer.encode(early_stop_text(False)))
+
+
+def refresh(out: str | Path) -> dict[str, Any]:
+    """Recompute ``summary.json``'s per-mode numbers and budget fields from ``examples.jsonl`` and write
+    ``README.md`` again (after a change of the summary or the table; no generation)."""
+    from jaxopd.tokenizer import load_tokenizer
+
+    out = Path(out)
+    result = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "examples.jsonl").read_text().splitlines() if line.strip()]
+    s = result["settings"]
+    tokens = early_stop_text_tokens(load_tokenizer(result["model"]["folder"]))
+    s["early_stop_text_tokens"] = tokens
+    s["second_stage_room_tokens"] = s["total_tokens"] - s["first_stage_tokens"] - tokens
+    examples = max(len(m["examples"]) for m in result["modes"].values())
+    result["modes"] = summarize(records, s["modes"], examples, s["first_stage_tokens"])
+    (out / "summary.json").write_text(json.dumps(result, indent=2, ensure_ascii=False, default=str) + "\n")
+    (out / "README.md").write_text(readme(result))
+    return result
 
 
 class _Unstarted:
