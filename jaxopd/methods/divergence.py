@@ -93,6 +93,9 @@ def _batch_top_k(student_graphdef, student_params, teacher_graphdef, teacher_par
     return out
 
 
+_SAME_MODEL_KL = 1e-7      # nats per state: float rounding of the exact KL between identical models
+
+
 def top_k_agreement(student: tuple[nnx.GraphDef, nnx.State], teacher: tuple[nnx.GraphDef, nnx.State],
                     samples: Sequence[Sample], ks: Sequence[int], *, temperature: float = 1.0, batch_size: int = 8,
                     length_multiple: int = 128) -> dict[int, dict[str, float]]:
@@ -113,8 +116,12 @@ def top_k_agreement(student: tuple[nnx.GraphDef, nnx.State], teacher: tuple[nnx.
                               jnp.asarray(batch.loss_mask), width=width, temperature=float(temperature), ks=ks)
         for name, value in values.items():
             totals[name] = totals.get(name, 0.0) + float(value)
+    # the KL of a model to itself is 0, and two forward passes round it to ~1e-10 nats either side: below this
+    # mean per state the student is taken for the teacher and no share is reported
+    identical = totals["exact"] <= _SAME_MODEL_KL * totals["states"]
+
     def ratio(numerator: float, denominator: float) -> float | None:
-        return numerator / denominator if denominator > 0 else None     # None: the student is the teacher
+        return None if identical or denominator <= 0 else numerator / denominator
 
     return {k: {"kl_fraction": ratio(totals[f"top{k}"], totals["exact"]),
                 "gradient_cosine": ratio(totals[f"top{k}_dot"],
