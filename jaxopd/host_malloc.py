@@ -22,10 +22,11 @@ free page back; the next step faults them in again, as without the tuning, and n
 process on a machine guards itself, so two of them give memory back before either is killed. Only glibc is tuned
 (elsewhere nothing happens). The settings hold for allocations made after the call, so commands call it before jax
 starts its CPU client. Measured: ``results/bench/host_malloc.md`` (the tiny preset's SFT step 3.27x faster tuned).
-Safety under memory pressure: ``tests/test_host_malloc.py`` compiles and runs a new XLA program after another beside a
-guard that trims every half millisecond (60 s here: 182 compiles beside 26,006 ``malloc_trim`` calls, exit 0); the
-SIGSEGV once seen inside XLA compilation during a full test run on a machine shared with other JAX processes was not
-reproduced with the tuning or without it."""
+Safety under memory pressure: ``tests/core/test_host_malloc.py`` compiles and runs a new XLA program after another
+beside a guard that trims every half millisecond (60 s here: 182 compiles beside 26,006 ``malloc_trim`` calls, exit
+0). The SIGSEGV seen inside XLA compilation in long test runs was not the allocator: one pytest process held every
+compiled program, whose code XLA:CPU maps as a dozen memory regions each, until Linux's vm.max_map_count (65,530)
+made an mmap inside LLVM fail (``tests/conftest.py`` now drops the compiled programs after each test file)."""
 from __future__ import annotations
 
 import ctypes
