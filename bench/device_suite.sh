@@ -130,7 +130,7 @@ if python3 -c "import alfworld, textworld" 2>/dev/null; then
     --eval-tasks 2 --out "$RUN/train_smoke" 2>&1 | tee "$RUN/train_smoke.log" | tail -12 | tee -a "$RUN/summary.txt"
 else
   note "== training smoke: no alfworld/textworld on this machine, so the train-step tests compiled for it (limit ${T_TRAIN}s)"
-  timeout "$T_TRAIN" python3 -m pytest -q -p no:cacheprovider tests/test_train_step.py 2>&1 \
+  timeout "$T_TRAIN" python3 -m pytest -q -p no:cacheprovider tests/train/test_train_step.py 2>&1 \
     | tee "$RUN/train_smoke.log" | tail -5 | tee -a "$RUN/summary.txt"
 fi
 bundle
@@ -169,8 +169,8 @@ fi
 
 if part tests; then
 note "== kernel and mixed-step tests on the GPU"
-timeout "$T_TESTS" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_pallas.py tests/test_kernels.py \
-  tests/test_mixed_steps.py tests/test_scan_layers.py 2>&1 | tee "$RUN/test_kernels.log" | tail -5 \
+timeout "$T_TESTS" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_pallas.py tests/kernels/test_kernels.py \
+  tests/sampler/test_mixed_steps.py tests/sampler/test_scan_layers.py 2>&1 | tee "$RUN/test_kernels.log" | tail -5 \
   | tee -a "$RUN/summary.txt"
 bundle
 fi

@@ -1,6 +1,6 @@
 """SFT train steps on batches grouped by length against the plain shuffled batches, side by side.
 
-The samples are the SFT corpus of the teacher's recipe (``experiments.teacher_recipe``): the searching expert's
+The samples are an SFT corpus of the searching expert's
 won turns of the generated ALFWorld training games, rendered with ``--thinking`` under a 1,024-token prompt
 budget (on a fresh machine the games and the expert's references are made first, about 15 minutes on 2 cores).
 Both arms serve the same epoch of ``SFTDataset`` (seed 0, batch ``--batch-size``): ``group_by_length=0`` (plain)

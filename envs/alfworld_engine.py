@@ -16,6 +16,7 @@ import threading
 from typing import Any, Mapping
 
 from envs.base import EnvError
+from envs import import_alfworld
 
 BENCHMARK = "alfworld"
 TASK_TYPES = (
@@ -91,6 +92,7 @@ class AlfredEngine:
 
     def __init__(self, *, expert_plan: bool = False, facts: bool = False) -> None:
         try:
+            import_alfworld()
             import textworld
             from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
             from textworld.envs import PddlEnv

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from envs.alfworld_engine import TRAJ_FILE, AlfredEngine
 from envs.base import EnvError, require_int
+from envs import import_alfworld
 
 __all__ = ["ExpertEpisode", "play_searching_expert", "DEFAULT_EXPERT_MAX_TURNS"]
 
@@ -49,6 +50,7 @@ class ExpertEpisode:
 
 
 def _task_params(game_file: Path) -> dict:
+    import_alfworld()
     import alfworld.gen.constants as constants
 
     traj_path = game_file.parent / TRAJ_FILE
@@ -78,6 +80,7 @@ def play_searching_expert(game_file: str | os.PathLike, *, max_turns: int = DEFA
     game_file = Path(game_file)
     if not game_file.is_file():
         raise ValueError(f"game file {str(game_file)!r} does not exist")
+    import_alfworld()
     from alfworld.agents.expert import handcoded_expert as shipped
     from alfworld.agents.expert.handcoded_expert_tw import HandCodedTWAgent
 

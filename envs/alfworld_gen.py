@@ -64,6 +64,7 @@ from envs.alfworld_engine import (
 )
 from envs.base import EnvError, require_int
 from envs.workers import worker_init
+from envs import import_alfworld
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ _MANGLE = (("-", "_minus_"), ("|", "_bar_"), ("+", "_plus_"), (".", "_dot_"), ("
 @functools.lru_cache(maxsize=1)
 def _alfred() -> Any:
     """alfworld's data: constants, goal library, domain and grammar text (imported once, lazily)."""
+    import_alfworld()
     import alfworld.gen as alfred_gen
     import alfworld.gen.constants as constants
     import alfworld.gen.goal_library as goal_library

@@ -26,6 +26,7 @@ import numpy as np
 
 from envs.alfworld_state import CHANGE_TOOLS, parse_goal
 from envs.references import ReferenceTrajectory
+from envs import import_alfworld
 
 __all__ = ["FIXED_CLASSES", "class_vocabularies", "classes_in_reference", "random_renaming", "rename_reference",
            "rename_text"]
@@ -44,6 +45,7 @@ def class_vocabularies() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The renameable ``(object classes, receptacle classes)``, sorted: ALFRED's object classes less the static
     receptacles, and its static receptacles (movable ones such as ``mug`` are objects), both less
     ``FIXED_CLASSES`` and the object classes that read as a fixed one. Read from the alfworld wheel once."""
+    import_alfworld()
     import alfworld.gen.constants as constants
 
     movable = {name.lower() for name in constants.MOVABLE_RECEPTACLES}

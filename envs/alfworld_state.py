@@ -18,6 +18,7 @@ import re
 from typing import Sequence
 
 from envs.alfworld_engine import REFUSED_FEEDBACK, TASK_TYPES
+from envs import import_alfworld
 
 __all__ = ["ALFWORLD_GOAL_TYPES", "CHANGE_TOOLS", "INSTRUCTION_PREFIX", "Goal", "parse_goal",
            "without_restated_instruction", "goal_of_task_id", "TaskState", "task_state",
@@ -77,6 +78,7 @@ class Goal:
 
 @functools.lru_cache(maxsize=1)
 def _goal_patterns() -> tuple[tuple[str, re.Pattern], ...]:
+    import_alfworld()
     from alfworld.gen.goal_library import gdict
 
     patterns = []

@@ -47,7 +47,7 @@ SCIENCEWORLD_SIMPLIFICATIONS = ("easy", "teleportAction", "selfWateringFlowerPot
 _ELECTRICAL_TASK_MARKERS = ("power-component", "conductivity")   # tasks that need "connect X to Y"
 
 # Number of variations of each task type in scienceworld 1.2.3 (``getTaskMaxVariations``), in the
-# engine's task-id order (1-1 ... 10-2). Checked against the live engine in tests/test_scienceworld.py.
+# engine's task-id order (1-1 ... 10-2). Checked against the live engine in tests/envs/test_scienceworld.py.
 SCIENCEWORLD_VARIATIONS: Mapping[str, int] = {
     "boil": 30,                                              # 1-1 Matter: changes of state (boiling)
     "melt": 30,                                              # 1-2 Matter: changes of state (melting)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Sequence
 
 from jaxopd.cli import Parser, UsageError, check_checkpoint_folder, check_out_file, command_line, run_main
@@ -68,9 +69,9 @@ def run(args, argv) -> int:
     if not 0 < first <= total:
         raise UsageError(f"--think-tokens needs 0 < FIRST <= TOTAL, got {first} {total}")
     for folder in args.model:
-        check_checkpoint_folder("--model", folder)
+        check_model_folder("--model", folder)
     if args.teacher is not None:
-        check_checkpoint_folder("--teacher", args.teacher)
+        check_model_folder("--teacher", args.teacher)
     if args.top_k is not None and args.teacher is None:
         raise UsageError("--top-k compares against the teacher's distribution; pass --teacher DIR")
     if args.top_k is not None and min(args.top_k) < 1:
@@ -172,6 +173,24 @@ def run(args, argv) -> int:
     out.with_suffix(".md").write_text(table)
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
+
+
+def check_model_folder(flag: str, folder: str) -> None:
+    """``folder`` is a model checkpoint that loads: ``config.json`` of a Qwen3 or Llama model and its safetensors
+    (headers read, no tensor), and a tokenizer for it; checked before any game is generated (a run folder, whose
+    ``config.json`` is a training config, is refused here)."""
+    from jaxopd.models.weights import CheckpointError, check_checkpoint_files
+    from jaxopd.tokenizer import load_tokenizer
+
+    check_checkpoint_folder(flag, folder)
+    try:
+        check_checkpoint_files(folder)
+        load_tokenizer(folder)
+    except (CheckpointError, OSError, ValueError) as error:
+        hint = ""
+        if (Path(folder).expanduser() / "checkpoints").is_dir():
+            hint = " (a training run's folder: pass the model it exported with --export)"
+        raise UsageError(f"{flag} {folder!r} is not a model checkpoint: {error}{hint}") from None
 
 
 def _free_running(model, samples, tokenizer, goals, args):

@@ -130,7 +130,10 @@ def check_options(options: EvalOptions) -> None:
         raise ValueError("give exactly one of --student DIR (a trained student) or --model-preset NAME (random "
                          "weights, smoke tests only)")
     if options.student is not None:
+        from jaxopd.tokenizer import check_tokenizer_files
+
         cli.check_checkpoint_folder("--student", options.student)
+        check_tokenizer_files(options.student)          # a Llama folder carries its own tokenizer
     else:
         cli.check_random_preset("--model-preset", options.model_preset)
     if options.benchmark == "alfworld" and options.games != "generated":
@@ -167,10 +170,26 @@ def preflight(options: EvalOptions, *, source: BenchmarkSource | None = None) ->
     """Every check that can fail on the user's input, before the model is built; returns the task source (ALFWorld
     games generated on first use, which is not an input problem and can take long)."""
     check_options(options)
-    cli.check_out_dir("--out", options.out)
+    cli.check_out_dir("--out", options.out, create=False)      # created once the task source has passed too
     if source is None:
         source = resolve_source(options.benchmark, options.games, progress=options.progress)
+    check_splits(options, source)
+    cli.check_out_dir("--out", options.out)
     return source
+
+
+def check_splits(options: EvalOptions, source: BenchmarkSource) -> None:
+    """Every evaluated split of ``source`` holds tasks: ``BenchmarkError`` naming the split otherwise (official games
+    under ``$ALFWORLD_DATA`` may lack a split, or hold no solvable game of it)."""
+    from envs.alfworld import NoGamesError
+
+    for split in options.splits:
+        try:
+            tasks = source.tasks(split)
+        except NoGamesError as error:
+            raise BenchmarkError(f"{source.describe()}: {error}") from None
+        if not tasks:
+            raise BenchmarkError(f"{source.describe()} holds no {split} tasks")
 
 
 def engine_config_for(options: EvalOptions):
@@ -241,12 +260,13 @@ def departures_from_paper(options: EvalOptions, source: BenchmarkSource, task_co
 
 
 def _load_model(options: EvalOptions):
-    from experiments.actfirst_alfworld import build_model
+    from jaxopd.models.weights import load_or_init, model_record
 
+    model = load_or_init(options.student, options.model_preset)
     if options.student is not None:
-        return build_model("student", options.student)
-    model, info = build_model(options.model_preset, None)
-    return model, {**info, "note": "random weights: smoke test only"}
+        return model, model_record(model, name=Path(options.student).name, weights=options.student)
+    return model, {**model_record(model, name=options.model_preset, weights=None),
+                   "note": "random weights: smoke test only"}
 
 
 PARTIAL_FILE = "episodes.partial.jsonl"

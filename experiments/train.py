@@ -44,13 +44,17 @@ FLAG_FIELDS = ("benchmark", "games", "generated_train_games", "student", "teache
                "sft_context_weight", "sft_thinking", "sft_renamed_copies", "sft_take_copies", "sft_arrival_copies",
                "sft_change_copies", "sft_refused_copies", "sft_missing_copies", "sft_fast_copies", "lr_schedule",
                "sft_group_by_length", "sft_action_weight", "sft_action_format", "max_supervised_tokens",
-               "exact_top_k", "sub_vocabulary")
+               "exact_top_k", "sub_vocabulary", "advantage_logp", "eval_max_turns", "eval_max_prompt_tokens",
+               "eval_first_stage_tokens", "eval_total_tokens", "eval_greedy")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = cli.Parser(prog="python -m experiments.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--method", required=True, choices=METHODS)
-    p.add_argument("--preset", default="cpu", choices=PRESETS, help="machine sizing (default cpu)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a TOML, YAML or JSON file of RunConfig fields (method and preset included; a run's own "
+                        "config.json is one); the flags given override it")
+    p.add_argument("--method", default=None, choices=METHODS, help="required, here or in --config")
+    p.add_argument("--preset", default=None, choices=PRESETS, help="machine sizing (default cpu)")
     p.add_argument("--out", required=True, help="run folder (resumed when it holds checkpoints)")
     p.add_argument("--export", default=None, help="write the trained student here as a Hugging Face folder")
     p.add_argument("--benchmark", default=None, choices=("alfworld", "scienceworld"))
@@ -106,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sub-vocabulary", action="store_const", const=True, default=None,
                    help="SFT of a Qwen3 model: cut it down to the token ids of its corpus (plus the 256 byte tokens "
                         "and Qwen3's added tokens): a few hundred embedding rows and logits instead of 151,936, a step "
-                        "about twice as fast (results/train, stop 48); the exports carry the token map in config.json "
+                        "about twice as fast; the exports carry the token map in config.json "
                         "and every command that loads them (evaluate, train --student/--teacher) uses it")
     p.add_argument("--sft-group-by-length", type=int, default=None, metavar="W",
                    help="SFT: batches of samples of similar length (less padding, faster steps): each window of W "
@@ -163,6 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-tasks", type=int, default=None)
     p.add_argument("--eval-every", type=int, default=None)
     p.add_argument("--eval-temperature", type=float, default=None)
+    p.add_argument("--eval-greedy", default=None, choices=("on", "off"),
+                   help="evaluate with greedy decoding (on) or sampling at --eval-temperature (off); default: the "
+                        "method's paper (ActionOPD greedy, the others at 0.4)")
+    p.add_argument("--eval-max-turns", type=int, default=None,
+                   help="turn limit of the evaluations during training (default: App. C.4's 30; cpu preset 20)")
+    p.add_argument("--eval-max-prompt-tokens", type=int, default=None,
+                   help="prompt limit of the evaluations (default: App. C.4's 20,480; gpu preset 4,096, cpu 1,024)")
+    p.add_argument("--eval-first-stage-tokens", type=int, default=None,
+                   help="thinking budget's first stage in evaluations (default: App. C.4's 1,920; cpu preset 48)")
+    p.add_argument("--eval-total-tokens", type=int, default=None,
+                   help="thinking budget's total in evaluations (default: App. C.4's 2,048; cpu preset 64)")
+    p.add_argument("--advantage-logp", default=None, choices=("current", "sampled"),
+                   help="opd / sti-opd losses: the student log-prob of the advantage -(log pi - log pi_T): current "
+                        "(the forward pass being trained, default) or sampled (the rollout's stored one, as "
+                        "Trinity-RFT computes it)")
     p.add_argument("--no-eval", action="store_true", help="skip evaluation")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--phase-log", default=None, metavar="FILE",
@@ -172,15 +191,56 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    overrides = {name: getattr(args, name) for name in FLAG_FIELDS}
+    """The run's config from the flags, and every check of it that needs no model, no games built and no folder
+    written (``UsageError``): the config's own (``RunConfig``), flags that do nothing for the method, the task
+    source ($ALFWORLD_DATA's games, --train-tasks against the tasks there are), --exact-top-k against the student's
+    vocabulary, and the prompt limits against the benchmark's system prompt. A ``--config`` file's fields come
+    first; the flags given override them."""
+    from jaxopd.methods.config import check_exact_top_k, check_prompt_fits, check_task_source, read_config_file
+
+    from_file: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        with cli.usage_errors(ValueError):
+            from_file = read_config_file(args.config)
+    method = args.method or from_file.pop("method", None)
+    preset = args.preset or from_file.pop("preset", None) or "cpu"
+    from_file.pop("method", None), from_file.pop("preset", None)
+    if method is None:
+        raise UsageError("--method is required (or `method` in the --config file)")
+    if method not in METHODS:
+        raise UsageError(f"--config: unknown method {method!r}; expected one of {METHODS}")
+    if preset not in PRESETS:
+        raise UsageError(f"--config: unknown preset {preset!r}; expected one of {PRESETS}")
+    args.method, args.preset = method, preset
+    flags = {name: getattr(args, name, None) for name in FLAG_FIELDS}
+    overrides = {**from_file, **{k: v for k, v in flags.items() if v is not None}}
     if getattr(args, "export_at", None) and args.method != "sft":
         raise UsageError("--export-at writes intermediate SFT models; distillation runs export with --export")
+    if getattr(args, "phase_log", None) and args.method == "sft":
+        raise UsageError("--phase-log reports the phases of the distillation loop (rollout, step, checkpoint); "
+                         "--method sft never enters them")
+    if isinstance(flags["eval_greedy"], str):
+        overrides["eval_greedy"] = {"on": True, "off": False}[flags["eval_greedy"]]
     if args.method == "sft" and args.steps is not None:
         overrides["updates"] = args.steps
-    try:
-        return build_config(args.method, preset=args.preset, **overrides)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
+    if args.method != "sft" and getattr(args, "steps", None) is not None:
+        raise UsageError("--steps counts SFT steps; a distillation run's length is --updates")
+    with cli.usage_errors(ValueError):
+        config = build_config(args.method, preset=args.preset, **overrides)
+        evaluate = not getattr(args, "no_eval", False)
+        check_task_source(config, evaluate=evaluate)
+        student_config = None if config.student is None else Path(config.student).expanduser() / "config.json"
+        if config.exact_top_k is not None and student_config is not None and student_config.is_file():
+            check_exact_top_k(config.exact_top_k, cli.checkpoint_vocab_size("--student", config.student),
+                              f"the --student {config.student!r}")
+        if config.student is None or (student_config is not None and student_config.is_file()):
+            from jaxopd.tokenizer import load_tokenizer     # a missing --student folder is check_paths' to report
+            try:
+                tokenizer = load_tokenizer(config.student)
+            except ValueError as error:
+                raise UsageError(f"--student {config.student!r}: {error}") from None
+            check_prompt_fits(config, tokenizer, evaluate=evaluate)
+    return config
 
 
 def training_counts(config: RunConfig) -> GeneratedCounts:
@@ -217,10 +277,7 @@ def check_paths(config: RunConfig, args: argparse.Namespace) -> Path:
 def load_models(config: RunConfig):
     """The student and teacher (None for SFT) models, Qwen3 or Llama, and the tokenizer (the student folder's, or
     the offline Qwen3 one for a random-weight student)."""
-    from flax import nnx
-
-    from jaxopd.models.decoder import CausalLM, ModelConfig
-    from jaxopd.models.weights import CheckpointError, load_model
+    from jaxopd.models.weights import CheckpointError, load_or_init
     from jaxopd.tokenizer import load_tokenizer
 
     try:
@@ -229,10 +286,8 @@ def load_models(config: RunConfig):
         raise UsageError(f"--student {config.student!r}: {error}") from None
 
     def load(folder: str | None, preset: str, seed: int, flag: str):
-        if folder is None:
-            return CausalLM(ModelConfig.preset(preset), rngs=nnx.Rngs(seed))
         try:
-            return load_model(folder)
+            return load_or_init(folder, preset, seed=seed)
         except (CheckpointError, OSError, ValueError) as error:
             raise UsageError(f"{flag} {folder!r}: {error}") from None
 
@@ -257,8 +312,9 @@ def load_models(config: RunConfig):
 
 def make_evaluator(config: RunConfig, source: Any, tokenizer: Any, out: Path, progress: bool, *,
                    divergence: Any = None):
-    """``fn(engine, update)``: the student alone on ``eval_tasks`` tasks of the evaluation split; every seed at
-    the start and the end, the first seed in between. Writes ``<out>/eval/update_<n>/``. ``divergence``: an
+    """``fn(engine, update)``: the student alone on ``eval_tasks`` tasks of the evaluation split, under the
+    evaluation's own limits (``eval_max_turns``, ``eval_max_prompt_tokens``, the ``eval_*`` thinking budget); every
+    seed at the start and the end, the first seed in between. Writes ``<out>/eval/update_<n>/``. ``divergence``: an
     optional ``fn() -> float``, the student's exact reverse KL to the teacher on held-out states, logged too."""
     from jaxopd.methods.evaluate import evaluate_policy, write_evaluation
     from jaxopd.rollout.strategies.base import RolloutConfig
@@ -266,8 +322,8 @@ def make_evaluator(config: RunConfig, source: Any, tokenizer: Any, out: Path, pr
 
     split = config.resolved_eval_split
     tasks = subset(source.tasks(split), config.eval_tasks, seed=0)
-    rollout = RolloutConfig(max_turns=config.max_turns, max_prompt_tokens=config.max_prompt_tokens,
-                            thinking_budget=ThinkingBudget(config.first_stage_tokens, config.total_tokens,
+    rollout = RolloutConfig(max_turns=config.eval_max_turns, max_prompt_tokens=config.eval_max_prompt_tokens,
+                            thinking_budget=ThinkingBudget(config.eval_first_stage_tokens, config.eval_total_tokens,
                                                            config.second_stage_tokens),
                             temperature=config.eval_temperature)
     final_update = config.updates

@@ -25,6 +25,11 @@ import jax
 import jax.numpy as jnp
 
 AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+ADVANTAGE_LOGP = ("current", "sampled")
+"""Which student log-prob the reverse-KL advantage A = -(log π_θ - log π_T) of OPD and STI-OPD reads: ``current``
+(the forward pass being differentiated, under stop-gradient: the formula ActFirst-OPD App. B.4 and STI-OPD App. B.3
+write) or ``sampled`` (the rollout's stored sampling log-prob, as Trinity-RFT, which both papers trained with,
+computes it before the update). ``jaxopd.train.step.LossConfig.advantage_logp`` says which is the default and why."""
 LOG_RATIO_BOUND = 20.0
 """Log-ratios are clipped to [-20, 20] before exponentiation (ActFirst-OPD App. B.4, as in verl)."""
 SEQ_MEAN_EPSILON = 1e-8
@@ -212,13 +217,21 @@ def opd_token_advantages(logp: chex.Array, teacher_logp: chex.Array, mask: chex.
     return jnp.where(_as_float(mask) > 0, advantages, 0.0)
 
 
+def _check_advantage_logp(where: str, advantage_logp: str) -> None:
+    if advantage_logp not in ADVANTAGE_LOGP:
+        raise ValueError(f"{where}: advantage_logp must be one of {ADVANTAGE_LOGP}, got {advantage_logp!r}")
+
+
 def opd_loss(logp: chex.Array, behavior_logp: chex.Array, teacher_logp: chex.Array, mask: chex.Array,
              *, kl_coef: float = 1.0, clip_eps: float = 0.2, dual_clip: Optional[float] = 3.0,
-             aggregation: str = "seq-mean-token-mean") -> tuple[jax.Array, dict[str, jax.Array]]:
+             aggregation: str = "seq-mean-token-mean", advantage_logp: str = "current"
+             ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """ActFirst-OPD / vanilla multi-turn OPD loss (ActFirst-OPD Sec. 3 Eq. 4 and App. B.4).
 
     The advantage A = -β(sg(log π_θ) - log π_T) (β = 1) enters the dual-clipped surrogate with ratio
     π_θ / π_θold,b (behaviour = stored sampling log-probs), δ = 0.2, κ = 3, seq-mean-token-mean.
+    ``advantage_logp="sampled"`` takes A = -β(log π_θold,b - log π_T) from the stored sampling log-probs instead
+    (Trinity-RFT's; ``ADVANTAGE_LOGP``).
 
     Args:
       logp: ``[B, L]`` log π_θ of the response tokens under the current parameters (differentiated).
@@ -231,7 +244,9 @@ def opd_loss(logp: chex.Array, behavior_logp: chex.Array, teacher_logp: chex.Arr
       ``(loss, metrics)``: the surrogate's metrics plus ``sampled_reverse_kl`` (token mean of
       log π_θ - log π_T, an estimate of the reverse KL under student sampling).
     """
-    advantages = opd_token_advantages(logp, teacher_logp, mask, kl_coef)
+    _check_advantage_logp("opd_loss", advantage_logp)
+    advantage_source = logp if advantage_logp == "current" else behavior_logp
+    advantages = opd_token_advantages(advantage_source, teacher_logp, mask, kl_coef)
     loss, metrics = clipped_surrogate_loss(logp, behavior_logp, advantages, mask, clip_eps=clip_eps,
                                            dual_clip=dual_clip, aggregation=aggregation)
     metrics["sampled_reverse_kl"] = _masked_mean(_sg(_as_float(logp)) - _as_float(teacher_logp), _as_float(mask))
@@ -457,7 +472,7 @@ def sti_behavior_logp(rollout_logp: chex.Array, teacher_logp: chex.Array,
 
 def sti_opd_loss(logp: chex.Array, rollout_logp: chex.Array, teacher_logp: chex.Array,
                  teacher_generated: chex.Array, mask: chex.Array, *, clip_eps: float = 0.2,
-                 dual_clip: Optional[float] = 3.0, aggregation: str = "token-mean"
+                 dual_clip: Optional[float] = 3.0, aggregation: str = "token-mean", advantage_logp: str = "current"
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """STI-OPD's practical PPO form (App. B.3): -ℓ as the reward/advantage in the clipped surrogate.
 
@@ -472,6 +487,11 @@ def sti_opd_loss(logp: chex.Array, rollout_logp: chex.Array, teacher_logp: chex.
     ``dual_clip=None`` the teacher-token gradient equals Eq. 11's in expectation; on-policy student
     tokens (ratio 1) likewise.
 
+    ``advantage_logp="sampled"`` (Trinity-RFT's form, ``ADVANTAGE_LOGP``) reads the student's stored sampling
+    log-prob on student tokens, A = -(log π_θ̄ - log π_T); a teacher token has no student sampling log-prob (the
+    student never sampled it: its stored behaviour log-prob is the teacher's, which would make A = 0), so it keeps
+    the current one, sg(log π_θ).
+
     Args:
       logp: ``[B, L]`` log π_θ (differentiated).
       rollout_logp: ``[B, L]`` the rollout student's sampling log-probs (used on student tokens).
@@ -481,12 +501,16 @@ def sti_opd_loss(logp: chex.Array, rollout_logp: chex.Array, teacher_logp: chex.
     """
     where = "sti_opd_loss"
     _check_token_inputs(where, [logp, rollout_logp, teacher_logp], mask)
+    _check_advantage_logp(where, advantage_logp)
     behavior_logp = sti_behavior_logp(rollout_logp, teacher_logp, teacher_generated)
-    advantages = opd_token_advantages(logp, teacher_logp, mask)
+    teacher_token = _broadcast_turn_flag(where, teacher_generated, mask)
+    advantage_source = logp
+    if advantage_logp == "sampled":
+        advantage_source = jnp.where(teacher_token, _sg(_as_float(logp)), _as_float(rollout_logp))
+    advantages = opd_token_advantages(advantage_source, teacher_logp, mask)
     loss, metrics = clipped_surrogate_loss(logp, behavior_logp, advantages, mask, clip_eps=clip_eps,
                                            dual_clip=dual_clip, aggregation=aggregation)
     mask = _as_float(mask)
-    teacher_token = _broadcast_turn_flag(where, teacher_generated, mask)
     metrics["teacher_token_fraction"] = _masked_mean(teacher_token.astype(jnp.float32), mask)
     metrics["sampled_reverse_kl"] = _masked_mean(_sg(_as_float(logp)) - _as_float(teacher_logp), mask)
     return loss, metrics
@@ -661,7 +685,8 @@ def sft_loss(logp: chex.Array, mask: chex.Array, *, aggregation: str = "token-me
 
 
 __all__ = [
-    "AGGREGATION_MODES", "LOG_RATIO_BOUND", "SEQ_MEAN_EPSILON", "SurrogateTokenTerms", "GroupAdvantages",
+    "AGGREGATION_MODES", "ADVANTAGE_LOGP", "LOG_RATIO_BOUND", "SEQ_MEAN_EPSILON", "SurrogateTokenTerms",
+    "GroupAdvantages",
     "clipped_surrogate_token_loss", "aggregate_token_loss", "clipped_surrogate_loss",
     "opd_token_advantages", "opd_loss", "reverse_kl_from_log_probs", "reverse_kl_from_logits",
     "log_mass_outside", "top_k_with_rest", "top_k_reverse_kl", "exact_opd_loss",

@@ -2,14 +2,13 @@
 line and benchmark writes into its JSON (``"machine"``).
 
 Why the CPU's model and features. XLA compiles CPU code for the host it runs on (its vector extensions: AVX2,
-AVX-512, AMX), so the same jitted training step rounds differently on another CPU model: the teacher recipe's chain
-(``experiments.teacher_recipe``) repeats bit for bit on one machine and drifts apart on another (stop 38: the
-copy warm-up's first 200 steps gave the same loss to the last digit twice on an AVX-512 EPYC, and another loss on
-the machine of stops 27-35, both with jax 0.10.2). The versions of the numeric packages are recorded for the same
-reason.
+AVX-512, AMX), so the same jitted training step rounds differently on another CPU model: a chain of training runs
+repeats bit for bit on one machine and drifts apart on another (2026-11: the same 200 SFT steps gave the same loss to
+the last digit twice on an AVX-512 EPYC, and another loss on a different EPYC, both with jax 0.10.2). The versions
+of the numeric packages are recorded for the same reason.
 
-Nothing heavy is imported unless asked: ``machine_info(devices=False)`` reads no jax state (the recipe driver, a
-``--dry-run``), and the package versions come from the installed distributions' metadata.
+Nothing heavy is imported unless asked: ``machine_info(devices=False)`` reads no jax state (a ``--dry-run``), and the
+package versions come from the installed distributions' metadata.
 """
 from __future__ import annotations
 

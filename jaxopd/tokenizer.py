@@ -429,7 +429,7 @@ class SubVocabularyTokenizer(Tokenizer):
 
     A model trained on a closed text world (ALFWorld's games and prompts use a few hundred of Qwen3's 151,669 ids)
     then carries a few hundred embedding rows and logits instead of 151,936: its softmax, its optimizer state and
-    its checkpoints are that much smaller (results/train, stop 48). Text is encoded by Qwen3's BPE, then each id
+    its checkpoints are that much smaller (2026-12). Text is encoded by Qwen3's BPE, then each id
     mapped; an id outside the map falls back to its bytes, each a token of the map (``sub_vocabulary`` puts all 256
     in), so every text encodes and decodes back unchanged; text made only of mapped tokens gives exactly Qwen3's
     segmentation. Chat rendering is Qwen3's. The map must hold every single-byte token and Qwen3's added tokens.

@@ -1,4 +1,4 @@
-"""One process of a multi-process train run on CPU, launched by tests/test_train_multiprocess.py.
+"""One process of a multi-process train run on CPU, launched by tests/train/test_train_multiprocess.py.
 
     JAX_PLATFORMS=cpu python tests/multiprocess_worker.py --process-id I --num-processes N \
         --coordinator localhost:PORT --out FILE

@@ -7,7 +7,7 @@ from typing import Sequence
 from jaxopd.methods.base import Method, RolloutResources
 from jaxopd.rollout.strategies.actionopd import ActionOPDConfig, ActionOPDStrategy, collection_samples
 from jaxopd.rollout.trajectory import Trajectory
-from jaxopd.train.buffer import Sample
+from jaxopd.sample import Sample
 
 
 class ActionOPD(Method):

@@ -17,7 +17,7 @@ from jaxopd.methods.config import RunConfig
 from jaxopd.rollout.strategies.base import RolloutConfig, RolloutStrategy
 from jaxopd.rollout.thinking import ThinkingBudget
 from jaxopd.rollout.trajectory import Trajectory, trajectory_samples
-from jaxopd.train.buffer import Sample
+from jaxopd.sample import Sample
 from jaxopd.train.step import LossConfig
 
 __all__ = ["RolloutResources", "Method"]
@@ -75,7 +75,8 @@ class Method(abc.ABC):
         c = self.config
         return LossConfig.for_rollout(self.rollout_config(), kind=c.loss or self.default_loss, clip_eps=c.clip_eps,
                                       dual_clip=c.dual_clip, logits_chunk_size=c.logits_chunk_size,
-                                      max_supervised_tokens=c.max_supervised_tokens, exact_top_k=c.exact_top_k)
+                                      max_supervised_tokens=c.max_supervised_tokens, exact_top_k=c.exact_top_k,
+                                      advantage_logp=c.advantage_logp)
 
     def samples(self, trajectories: Sequence[Trajectory], *, collection_id: int = -1) -> list[Sample]:
         """The training samples of finished trajectories."""

@@ -15,7 +15,7 @@ distribution given the demonstration's own prefix. From it:
   answer format and the frequent objects does not.
 - ``tool_verb_prob`` / ``tool_verb_exact`` (``tool_mentions`` turns): the same at the verb of the response's first
   tool sentence (``sft_data.tool_sentence``, "Tool: cool it with a fridge."; None without one): whether the model
-  reads the change word of its instruction (stop 31: 0.49 on training turns after 300 steps, where it copies the
+  reads the change word of its instruction (2026-11: 0.49 on training turns after 300 steps, where it copies the
   tool from the verb at 0.997).
 
 A few seconds per dozen turns on CPU, against minutes for playing episodes.
@@ -23,7 +23,7 @@ A few seconds per dozen turns on CPU, against minutes for playing episodes.
 Owns ``free_running_fit`` too: the same demonstration states, but the model writes its whole answer itself (greedy,
 through the paged engine under the rollouts' thinking budget), as in play. Teacher forcing hands the model the
 demonstration's thinking; free-running, its own first copy can go wrong and the action follows it, which is how a
-teacher can fit the demonstrations and still win nothing (results/train, stop 25). ``score_free_answers`` scores
+teacher can fit the demonstrations and still win nothing (2026-11). ``score_free_answers`` scores
 answers against the demonstrations: the action exact (by the demonstrated verb), the thinking exact, whether the
 thinking names the goal object, whether it copies the listing an arrival or an opening gave, and answers without a
 parsable action.

@@ -63,14 +63,20 @@ _POLL_S = 0.25                  # how often a trainer waiting for samples looks 
 
 
 def engine_config_for(config: RunConfig, method: Method, *, scoring: bool = False) -> EngineConfig:
-    """An engine that holds every concurrent request of the run at its longest without preemption."""
-    longest = config.max_prompt_tokens + max(config.total_tokens, config.fast_action_tokens) + 8
+    """An engine that holds every concurrent request of the run at its longest without preemption: the training
+    rollouts' (``rollout_slots`` episodes, each with its concurrent requests) and the evaluations' (``rollout_slots``
+    episodes under the ``eval_*`` limits), which the same engine serves in turn. The teacher's engine
+    (``scoring``) serves training only."""
     page = config.page_size
-    max_seq_len = math.ceil(longest / page) * page
+    train_longest = config.max_prompt_tokens + max(config.total_tokens, config.fast_action_tokens) + 8
+    eval_longest = 0 if scoring else config.eval_max_prompt_tokens + config.eval_total_tokens + 8
+    train_pages, eval_pages = math.ceil(train_longest / page), math.ceil(eval_longest / page)
+    max_seq_len = max(train_pages, eval_pages) * page
     per_episode = {"actionopd": config.num_candidates + config.num_teacher_samples}.get(method.name, 2)
     slots = max(2, config.rollout_slots * per_episode)
+    pages = max(slots * train_pages, max(2, config.rollout_slots) * eval_pages)
     chunk = min(512, max_seq_len)
-    return EngineConfig(max_slots=slots, page_size=page, num_pages=slots * (max_seq_len // page) + 1,
+    return EngineConfig(max_slots=slots, page_size=page, num_pages=pages + 1,
                         max_seq_len=max_seq_len, prefill_chunk=chunk, max_prefill_tokens=max(chunk, 1024),
                         max_prefill_rows=4, prefix_sharing=config.prefix_sharing, scoring=scoring)
 

@@ -25,7 +25,10 @@ CHECKPOINTS = "checkpoints"
 LOCK_FILE = ".lock"
 # fields a resumed run may change (how long it runs and how it reports); every other field must match
 RESUMABLE_CHANGES = frozenset({"updates", "eval_every", "eval_tasks", "eval_seeds", "checkpoint_every",
-                               "keep_checkpoints"})
+                               "keep_checkpoints", "eval_max_turns", "eval_max_prompt_tokens",
+                               "eval_first_stage_tokens", "eval_total_tokens"})
+# keys a saved config carries that follow from its fields (RunConfig.departures): never compared
+DERIVED_KEYS = frozenset({"departures"})
 PATH_FIELDS = ("student", "teacher")        # compared as resolved paths (a trailing slash is the same folder)
 
 
@@ -114,7 +117,8 @@ def config_differences(saved: Mapping[str, Any], mine: Mapping[str, Any], defaul
     """The fields (outside ``RESUMABLE_CHANGES``) in which two config dicts differ; a field one of them lacks counts
     as its default, and folders are compared as resolved paths."""
     a, b = _normalised(saved, defaults), _normalised(mine, defaults)
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in RESUMABLE_CHANGES)
+    return sorted(k for k in set(a) | set(b)
+                  if a.get(k) != b.get(k) and k not in RESUMABLE_CHANGES and k not in DERIVED_KEYS)
 
 
 def config_defaults(config: Any) -> dict[str, Any]:

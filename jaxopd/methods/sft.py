@@ -63,7 +63,7 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
     with ``sft_thinking`` under ``max_prompt_tokens``; then ``sft_take_copies`` more renamed copies of the turns whose
     action is ``take`` only, and ``sft_arrival_copies`` of the turns after a ``go to`` or ``open``, each renamed afresh
     (``sft_data.FOCUS_TURNS``: the turns where the answer says whether the goal object is in view, which a
-    free-running teacher got wrong, results/train stop 28), ``sft_change_copies`` of the turns holding the goal object
+    free-running teacher got wrong), ``sft_change_copies`` of the turns holding the goal object
     still to clean, heat or cool (``FOCUS_TURNS["change"]``); then ``sft_refused_copies`` renamed copies of the turns
     after one more, refused, command (``sft_data.refused_turn``: the same step after "Nothing happens."), and
     ``sft_missing_copies`` of the turns after a refused ``go to`` a receptacle the room lacks

@@ -33,7 +33,7 @@ from envs.references import ReferenceTrajectory
 from jaxopd.methods.config import SFT_THINKING
 from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, executed_actions_and_answers, render_prompt
 from jaxopd.rollout.tags import ACTION_END, ACTION_FORMATS, ACTION_START, THINK_END, THINK_START
-from jaxopd.train.buffer import Sample
+from jaxopd.sample import Sample
 
 __all__ = ["SFT_MODE", "FAST_MODES", "fast_action_text",
            "response_text", "state_thinking", "state_text", "plan_text", "plan_here_text",
@@ -51,7 +51,7 @@ prompt ends at the open assistant turn (thinking on), so the response starts wit
 FAST_MODES = ("next_action", "inverse_dynamics")
 """The action-only generation modes of ActFirst-OPD's fast requests (``rollout.prompts.GENERATION_MODES``), which
 ``RunConfig.sft_fast_copies`` demonstrates too: a student fine-tuned on full answers alone never learned them
-(results/train stop 46)."""
+(measured 2026-11 on the tiny CPU teacher)."""
 
 
 def response_text(action: str, thinking: str = "", action_format: str = "tight") -> str:
@@ -247,12 +247,12 @@ def task_list_plan_here_text(state: TaskState) -> str:
     cup 2 here. I am at countertop 1."``
 
     Why. Trained on ``task-plan-here``, teachers did not read whether the goal class is among the objects listed
-    (stop 28: said "I see <goal> N here." in 2 of 10 states where it is; with more take turns, in every one of them
-    but also in 17 % of those where it is not): the match ran from the thinking's goal word to a list that sits
-    among hundreds of prompt tokens, and a prior answered instead. Copying the list first (a copy from the end of the
-    prompt, the pattern the copy warm-up trains) puts the listed classes a few tokens before "I need a cup.", so
-    whether "I see" follows is a match between neighbouring words. Classes only, each once, to keep the thinking
-    short; the object's number is copied from the observation as before."""
+    (2026-11, the tiny CPU teacher: said "I see <goal> N here." in 2 of 10 states where it is; with more take turns,
+    in every one of them but also in 17 % of those where it is not): the match ran from the thinking's goal word
+    to a list that sits among hundreds of prompt tokens, and a prior answered instead. Copying the list first (a
+    copy from the end of the prompt, the pattern the copy warm-up trains) puts the listed classes a few tokens
+    before "I need a cup.", so whether "I see" follows is a match between neighbouring words. Classes only, each
+    once, to keep the thinking short; the object's number is copied from the observation as before."""
     return _task_text(state, listing=True)
 
 
@@ -473,7 +473,7 @@ def is_arrival_turn(turn: WalkthroughTurn) -> bool:
 def is_change_turn(turn: WalkthroughTurn) -> bool:
     """The agent holds the goal object and the task still asks to clean, heat or cool it: the turns whose answer
     must turn the instruction's word into the tool's verb and class (``go to fridge 1``, ``cool apple 1 with fridge
-    1``), which stop 30's teacher confused in play ("put a clean bowl in microwave": "I must heat it with a
+    1``), which a tiny CPU teacher confused in play ("put a clean bowl in microwave": "I must heat it with a
     microwave.")."""
     if turn.inputs.benchmark != "alfworld":
         return False
@@ -485,13 +485,13 @@ FOCUS_TURNS = {"take": is_take_turn, "arrival": is_arrival_turn, "change": is_ch
 
 
 def refused_turn(turn: WalkthroughTurn) -> WalkthroughTurn | None:
-    """``turn`` after one more command the engine refused: a ``go to`` the receptacle the agent stands at, answered
-    "Nothing happens." (what free-running teachers did most: stop 29's refused 58 % of their moves, and repeated the
-    refused one in 60 % of the turns after). The history gains the pair (o_t, ``go to <here>``), the observation is
-    the refusal, and the demonstrated action stays a_t: a refusal changes nothing, so the step the state calls for is
-    the same. None before the first arrival (no "here"), and where the state read from the new inputs calls for
-    another command at the location (:func:`command_here`): a ``take`` or ``use`` needs the object listed in the
-    current observation, which the refusal replaces."""
+    """``turn`` after one more command the engine refused: a ``go to`` the receptacle the agent stands at,
+    answered "Nothing happens." (what free-running teachers did most: the tiny CPU teachers of 2026-11 refused
+    58 % of their moves, and repeated the refused one in 60 % of the turns after). The history gains the pair
+    (o_t, ``go to <here>``), the observation is the refusal, and the demonstrated action stays a_t: a refusal
+    changes nothing, so the step the state calls for is the same. None before the first arrival (no "here"), and
+    where the state read from the new inputs calls for another command at the location (:func:`command_here`): a
+    ``take`` or ``use`` needs the object listed in the current observation, which the refusal replaces."""
     return _after_refused_go_to(turn, lambda inputs, here: here)
 
 

@@ -5,15 +5,15 @@ executed actions, the engine's answers, the model's raw answers, won): the *prog
 held a goal object, that cleaned / heated / cooled it where the task asks, that put one in the goal receptacle,
 that won), the share of moves the engine refused (``Nothing happens.``) and of actions repeating the previous one,
 of the rounds right after a refused command those that give it again (``refusal_repeated``), the episodes
-*stuck* on one refused command (a run of at least ``STUCK_RUN`` identical actions in a row, each refused; stop 45)
+*stuck* on one refused command (a run of at least ``STUCK_RUN`` identical actions in a row, each refused)
 and the rounds spent in such runs,
 and the *thinking fidelity*: the share of rounds whose thinking is exactly what the SFT demonstrations would have
 thought in that state (``jaxopd.methods.sft_data.THINKING_RULES`` for the state the agent's own
 history shows), the share that names the goal object (beyond a restated instruction), and whether the action does
 what the thinking said: of the rounds whose thinking names an object in view, those whose action takes it; of those
 ending on a command ("I can ..."), those whose action is it; of those saying a change ("I must cool it with a
-fridge."), those whose verb and tool are the task's. And whether the thinking read the observation it answered
-(stop 43): of the rounds whose thinking names an object in view, those where that observation names it
+fridge."), those whose verb and tool are the task's. And whether the thinking read the observation it answered:
+of the rounds whose thinking names an object in view, those where that observation names it
 (``named_true``); of the rounds answering an arrival or an opening whose rule's thinking copies the listed classes
 (``sft_data.listing_sentence``, the ``task-list-*`` and ``task-tool-*`` rules), those whose thinking's first
 listing is that very sentence (``listing_right``, read by ``sft_data.listing_said`` as ``demo_fit`` reads it).
@@ -38,7 +38,7 @@ REFUSED = REFUSED_FEEDBACK
 """The engine's answer to a command it does not execute (``envs.alfworld.REFUSED_FEEDBACK``)."""
 
 STUCK_RUN = 5
-"""An episode is *stuck* when it gives one refused command this many times in a row (stop 45: the one-sft
+"""An episode is *stuck* when it gives one refused command this many times in a row (2026-11: the one-sft
 teacher's 61 such runs at step 2,400 were all ``go to`` a receptacle, 59 of them one the room does not have)."""
 
 
@@ -70,7 +70,7 @@ def refused_runs(actions: Sequence[str], feedback: Sequence[str]) -> list[int]:
 
 
 def _goal(episode: Mapping[str, Any]) -> Goal:
-    """The episode's goal from its instruction (records since stop 26 keep it), else from its task id."""
+    """The episode's goal from its instruction (newer records keep it), else from its task id."""
     goal = parse_goal(episode["instruction"]) if episode.get("instruction") else None
     return goal or goal_of_task_id(episode["task_id"])
 

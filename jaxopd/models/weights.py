@@ -356,9 +356,57 @@ def restrict_vocabulary(model: CausalLM, token_map: Sequence[int]) -> CausalLM:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def cut_layers(model: CausalLM, keep: Sequence[int]) -> CausalLM:
+    """A smaller model cut from ``model``: its decoder layers ``keep`` (indices, increasing, each once), in that
+    order, with the embedding, final norm and head unchanged (a student made from its teacher's pretrained weights).
+    Keeping every layer gives the same model; the cut model is an ordinary ``CausalLM`` (``save_model`` writes a
+    folder transformers loads with ``num_hidden_layers = len(keep)``)."""
+    cfg = model.config
+    layers = [int(i) for i in keep]
+    if not layers:
+        raise ValueError("a cut keeps at least one layer")
+    if any(not 0 <= i < cfg.num_layers for i in layers):
+        raise ValueError(f"layer indices must lie in [0, {cfg.num_layers}), got {layers}")
+    if any(b <= a for a, b in zip(layers, layers[1:])):
+        raise ValueError(f"the kept layers must be increasing, each once (a cut keeps their order), got {layers}")
+    new_cfg = dataclasses.replace(cfg, num_layers=len(layers))
+    graphdef, params = nnx.split(abstract_model(new_cfg), nnx.Param)
+    old = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    flat = dict(nnx.to_flat_state(params))
+    for path, variable in flat.items():
+        source = ("layers", layers[int(path[1])], *path[2:]) if path[0] == "layers" else path
+        variable.set_value(jnp.asarray(old[source][...]))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_or_init(folder: str | os.PathLike | None, preset: str, *, seed: int = 0,
+                 dtype: str | None = None) -> CausalLM:
+    """The one way the command lines get a model: the Hugging Face folder ``folder`` (``load_model``), or, when it
+    is None, a random-initialised ``preset`` of ``jaxopd.models.decoder.PRESETS`` from ``seed``. Raises
+    ``CheckpointError`` / ``OSError`` / ``ValueError`` naming what is wrong (the callers add their flag)."""
+    if folder is not None:
+        return load_model(folder, dtype=dtype)
+    config = ModelConfig.preset(preset) if dtype is None else ModelConfig.preset(preset, dtype=dtype)
+    return CausalLM(config, rngs=nnx.Rngs(seed))
+
+
+def model_record(model: CausalLM, *, name: str, weights: str | os.PathLike | None) -> dict[str, Any]:
+    """What a result records about its model: name, parameter count, dtype, the weights folder (None: random
+    weights) and ``paper_architecture``, whether it has Qwen3-1.7B's shape (ActFirst-OPD's student; any dtype)."""
+    from jaxopd.models.decoder import count_params
+
+    _, state = nnx.split(model)
+    cfg = model.config
+    paper = ModelConfig.preset("qwen3-1.7b", dtype=cfg.dtype)
+    same_shape = dataclasses.replace(cfg, max_position_embeddings=paper.max_position_embeddings) == paper
+    return {"name": name, "num_params": count_params(state), "dtype": cfg.dtype,
+            "weights": None if weights is None else str(weights), "random_weights": weights is None,
+            "paper_architecture": same_shape, "config": dataclasses.asdict(cfg)}
+
+
 load_qwen3 = load_model     # the name before the Llama family (kept for existing scripts)
 save_qwen3 = save_model
 
-__all__ = ["CheckpointError", "KeyRule", "SafetensorsFile", "check_checkpoint_files", "key_map", "load_model",
-           "read_config",
+__all__ = ["CheckpointError", "KeyRule", "SafetensorsFile", "check_checkpoint_files", "cut_layers", "key_map",
+           "load_model", "load_or_init", "model_record", "read_config",
            "restrict_vocabulary", "save_model", "write_safetensors", "iter_hf_tensors"]

@@ -1,5 +1,5 @@
 """The rollout record: generated responses, executed turns and trajectories, and their one conversion to
-training samples (``jaxopd.train.buffer.Sample``).
+training samples (``jaxopd.sample.Sample``).
 
 Owns ``Response`` (one generated response in its context: prompt ids, response ids, sampling log-probs, the
 ``model_generated`` mask of ActFirst-OPD App. B.3/B.4, the generation mode, the policy version, the teacher
@@ -23,7 +23,7 @@ from jaxopd.rollout import metrics
 from jaxopd.rollout.actions import extract_action
 from jaxopd.rollout.prompts import GENERATION_MODES
 from jaxopd.rollout.tags import ACTION_END
-from jaxopd.train.buffer import Sample
+from jaxopd.sample import Sample
 
 __all__ = ["END_REASONS", "ACTION_SOURCES", "Response", "Turn", "Trajectory", "response_to_sample",
            "trajectory_samples", "default_state_key", "rollout_quality", "EpisodeOutcome", "EpisodesFailed",

@@ -9,7 +9,7 @@ the teacher mesh.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +103,9 @@ reverse KL (Eq. 11); ``action-opd``: ActionOPD's clipped objective with response
 supervised fine-tuning, the negative log-likelihood of demonstration responses (training a teacher on
 walkthroughs, ``jaxopd.methods.sft_data``)."""
 
+ADVANTAGE_KINDS = ("opd", "sti-opd")
+"""The losses whose advantage is the sampled reverse KL, and so read ``LossConfig.advantage_logp``."""
+
 _DEFAULT_AGGREGATION = {"opd": "seq-mean-token-mean", "opd-exact": "seq-mean-token-mean", "sti-opd": "token-mean",
                         "sti-iw-reverse-kl": "token-mean", "action-opd": "token-mean", "sft": "token-mean"}
 
@@ -132,6 +135,18 @@ class LossConfig:
     the rest instead of its whole log-softmax, and trains :func:`jaxopd.losses.top_k_reverse_kl`, a lower bound of
     each state's KL: B·W·(2K + 1) numbers a batch instead of B·W·V (Qwen3's 151,936 ids: 1.2 GB at 16 × 128).
 
+    ``advantage_logp`` (``opd`` and ``sti-opd``; ``jaxopd.losses.ADVANTAGE_LOGP``): which student log-prob the
+    reverse-KL advantage A = -(log π_θ - log π_T) reads. The default, ``"current"``, is the forward pass being
+    differentiated (under stop-gradient), as ActFirst-OPD App. B.4 and STI-OPD App. B.3 write the advantage: with the
+    ratio π_θ / π_θold correcting the sampling, the expected gradient is then exactly the reverse KL's at the current
+    parameters, also for a sample one version old (the lag the buffer allows), and the advantage carries no mismatch
+    between the sampler's arithmetic (paged attention, its own kernels and precision) and the trainer's: a student
+    equal to its teacher gets A = 0 exactly. ``"sampled"`` is Trinity-RFT's form, which ActFirst-OPD and STI-OPD
+    trained with: A from the rollout's stored sampling log-probs (fixed before the update; on a lag-0 sample the two
+    differ by the sampler-trainer mismatch only, on a lag-1 sample by one update). On STI's teacher tokens the
+    student has no sampling log-prob, so ``"sampled"`` keeps the current one there (``losses.sti_opd_loss``). Every
+    preset, ``paper`` included, uses ``"current"``; ``RunConfig.departures`` records it against Trinity-RFT.
+
     ``kind="sft"`` trains on the likelihood of the demonstration itself, not on sampled tokens: an SFT
     config should use ``temperature=1.0`` (the default), so that the model learns the plain softmax it
     later samples from; the temperature is applied like for every other kind if set otherwise. The
@@ -149,10 +164,17 @@ class LossConfig:
     context_lm_weight: float = 0.0
     context_vocab: tuple[int, ...] | None = None
     exact_top_k: int | None = None
+    advantage_logp: str = "current"
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
             raise ValueError(f"LossConfig.kind must be one of {LOSS_KINDS}, got {self.kind!r}")
+        if self.advantage_logp not in losses.ADVANTAGE_LOGP:
+            raise ValueError(f"LossConfig.advantage_logp must be one of {losses.ADVANTAGE_LOGP}, got "
+                             f"{self.advantage_logp!r}")
+        if self.advantage_logp != "current" and self.kind not in ADVANTAGE_KINDS:
+            raise ValueError(f"LossConfig.advantage_logp {self.advantage_logp!r} chooses the log-prob of the "
+                             f"reverse-KL advantage of {ADVANTAGE_KINDS}; the {self.kind!r} loss has none")
         if self.aggregation is not None and self.aggregation not in losses.AGGREGATION_MODES:
             raise ValueError(f"LossConfig.aggregation must be one of {losses.AGGREGATION_MODES} or None, "
                              f"got {self.aggregation!r}")
@@ -421,23 +443,45 @@ def model_log_probs(model: CausalLM, tokens: jax.Array, positions: jax.Array, at
     return sequence_log_probs(model, tokens, positions, attention_mask, config.temperature, config.logits_chunk_size)
 
 
+def _opd(logp, batch, config, aggregation):
+    return losses.opd_loss(logp, batch.behavior_logp, batch.teacher_logp, batch.loss_mask, kl_coef=config.kl_coef,
+                           clip_eps=config.clip_eps, dual_clip=config.dual_clip, aggregation=aggregation,
+                           advantage_logp=config.advantage_logp)
+
+
+def _sti_opd(logp, batch, config, aggregation):
+    return losses.sti_opd_loss(logp, batch.behavior_logp, batch.teacher_logp, batch.teacher_generated,
+                               batch.loss_mask, clip_eps=config.clip_eps, dual_clip=config.dual_clip,
+                               aggregation=aggregation, advantage_logp=config.advantage_logp)
+
+
+def _sti_iw_reverse_kl(logp, batch, config, aggregation):
+    return losses.sti_importance_weighted_reverse_kl(logp, batch.teacher_logp, batch.teacher_generated,
+                                                     batch.loss_mask, aggregation=aggregation)
+
+
+def _sft(logp, batch, config, aggregation):
+    return losses.sft_loss(logp, batch.loss_mask, aggregation=aggregation, token_weight=batch.loss_weight)
+
+
+def _action_opd(logp, batch, config, aggregation):
+    return losses.actionopd_loss(logp, batch.behavior_logp, batch.advantages, batch.retained, batch.loss_mask,
+                                 clip_eps=config.clip_eps, dual_clip=config.dual_clip)
+
+
+TOKEN_LOSSES: dict[str, Callable[..., tuple[jax.Array, Metrics]]] = {
+    "opd": _opd, "sti-opd": _sti_opd, "sti-iw-reverse-kl": _sti_iw_reverse_kl, "sft": _sft,
+    "action-opd": _action_opd}
+"""The losses computed from the student's per-token log-probs, by ``LossConfig.kind`` (``opd-exact`` needs the
+whole log-softmax: ``batch_loss`` computes it): ``fn(logp, batch, config, aggregation) -> (loss, metrics)``."""
+
+
 def loss_from_log_probs(logp: jax.Array, batch: TrainBatch, config: LossConfig) -> tuple[jax.Array, Metrics]:
     """The configured method's loss of a batch given the student's per-token log-probs ``logp`` ``[B, T]``."""
-    mask = batch.loss_mask
-    aggregation = config.resolved_aggregation
-    if config.kind == "opd":
-        return losses.opd_loss(logp, batch.behavior_logp, batch.teacher_logp, mask, kl_coef=config.kl_coef,
-                               clip_eps=config.clip_eps, dual_clip=config.dual_clip, aggregation=aggregation)
-    if config.kind == "sti-opd":
-        return losses.sti_opd_loss(logp, batch.behavior_logp, batch.teacher_logp, batch.teacher_generated, mask,
-                                   clip_eps=config.clip_eps, dual_clip=config.dual_clip, aggregation=aggregation)
-    if config.kind == "sti-iw-reverse-kl":
-        return losses.sti_importance_weighted_reverse_kl(logp, batch.teacher_logp, batch.teacher_generated, mask,
-                                                         aggregation=aggregation)
-    if config.kind == "sft":
-        return losses.sft_loss(logp, mask, aggregation=aggregation, token_weight=batch.loss_weight)
-    return losses.actionopd_loss(logp, batch.behavior_logp, batch.advantages, batch.retained, mask,
-                                 clip_eps=config.clip_eps, dual_clip=config.dual_clip)
+    if config.kind not in TOKEN_LOSSES:
+        raise ValueError(f"the {config.kind!r} loss is not computed from per-token log-probs; expected one of "
+                         f"{sorted(TOKEN_LOSSES)}")
+    return TOKEN_LOSSES[config.kind](logp, batch, config, config.resolved_aggregation)
 
 
 def batch_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: TrainBatch, config: LossConfig
@@ -531,12 +575,23 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                    out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,) if donate else ())
 
 
+class TeacherScores(NamedTuple):
+    """What a ``TeacherScorer`` returns, on the teacher mesh: ``logp`` ``[B, T]`` the teacher's log-prob of every
+    token; a dense scorer (``opd-exact``) also ``dense_logp``, its log-softmax at the supervised positions
+    (``[B, S, V]``, or ``[B, S, K + 1]`` over its top K ids and the rest), and a top-K one ``top_ids`` ``[B, S, K]``."""
+
+    logp: Any
+    dense_logp: Any = None
+    top_ids: Any = None
+
+
 @dataclasses.dataclass(frozen=True)
 class TeacherScorer:
     """Per-token log-probs of token sequences under the teacher, compiled for the teacher mesh.
 
-    ``scorer(params, tokens, positions, attention_mask) -> [B, T]``: inputs (host arrays or arrays on any
-    devices) are first moved to the teacher mesh, rows split over its data axis; the result stays there.
+    ``scorer(params, tokens, positions, attention_mask[, loss_mask]) -> TeacherScores``: inputs (host arrays or
+    arrays on any devices) are first moved to the teacher mesh, rows split over its data axis; the result stays
+    there.
     """
 
     compiled: Callable[..., Any]
@@ -546,16 +601,22 @@ class TeacherScorer:
     top_k: int | None = None
 
     def __call__(self, params: nnx.State, tokens: Any, positions: Any, attention_mask: Any,
-                 loss_mask: Any = None) -> Any:
+                 loss_mask: Any = None) -> TeacherScores:
         _check_rows_divide(tokens.shape[0], self.row_sharding)
         if self.max_supervised_tokens is None:
             tokens, positions, attention_mask = jax.device_put((tokens, positions, attention_mask), self.row_sharding)
-            return self.compiled(params, tokens, positions, attention_mask)
+            return self._scores(self.compiled(params, tokens, positions, attention_mask))
         if loss_mask is None:
             raise ValueError("a scorer of supervised positions only (max_supervised_tokens) needs the loss mask")
         check_supervised_fit(loss_mask, self.max_supervised_tokens)
         arrays = jax.device_put((tokens, positions, attention_mask, loss_mask), self.row_sharding)
-        return self.compiled(params, *arrays)
+        return self._scores(self.compiled(params, *arrays))
+
+    def _scores(self, out: Any) -> TeacherScores:
+        if not self.dense:
+            return TeacherScores(out)
+        logp, dense_logp, *top_ids = out
+        return TeacherScores(logp, dense_logp, top_ids[0] if top_ids else None)
 
 
 def make_teacher_scorer(graphdef: nnx.GraphDef, param_shardings: nnx.State, mesh: Mesh, *,
@@ -615,19 +676,19 @@ def score_batch(scorer: TeacherScorer, teacher_params: nnx.State, batch: TrainBa
     ``teacher_logp`` already in the batch is replaced; to train on log-probs the rollout computed
     itself, or for ActionOPD and SFT (``LossConfig.needs_teacher_logp`` is False), call :func:`place_batch`.
     """
-    scored = scorer(teacher_params, batch.tokens, batch.positions, batch.attention_mask, batch.loss_mask)
-    if scorer.dense:
-        teacher_logp, teacher_dense_logp, *top_ids = scored
-        if top_ids:
-            batch = batch.replace(teacher_top_ids=top_ids[0])
-        return place_batch(batch.replace(teacher_logp=teacher_logp, teacher_dense_logp=teacher_dense_logp),
-                           trainer_batch_sharding)
-    return place_batch(batch.replace(teacher_logp=scored), trainer_batch_sharding)
+    scores = scorer(teacher_params, batch.tokens, batch.positions, batch.attention_mask, batch.loss_mask)
+    batch = batch.replace(teacher_logp=scores.logp)
+    if scores.dense_logp is not None:
+        batch = batch.replace(teacher_dense_logp=scores.dense_logp)
+    if scores.top_ids is not None:
+        batch = batch.replace(teacher_top_ids=scores.top_ids)
+    return place_batch(batch, trainer_batch_sharding)
 
 
-__all__ = ["OptimizerConfig", "make_optimizer", "LOSS_KINDS", "LossConfig", "TrainState", "replicated",
+__all__ = ["OptimizerConfig", "make_optimizer", "LOSS_KINDS", "ADVANTAGE_KINDS", "LossConfig", "TrainState",
+           "replicated",
            "train_state_shardings", "abstract_train_state", "init_train_state", "batch_shardings", "place_batch",
            "sequence_log_probs", "supervised_log_probs", "supervised_order", "supervised_dense_log_probs",
            "context_log_probs", "check_supervised_fit", "model_log_probs",
-           "loss_from_log_probs", "batch_loss", "make_train_step",
-           "TeacherScorer", "make_teacher_scorer", "score_batch"]
+           "TOKEN_LOSSES", "loss_from_log_probs", "batch_loss", "make_train_step",
+           "TeacherScores", "TeacherScorer", "make_teacher_scorer", "score_batch"]

@@ -4,7 +4,7 @@ problem (the flag or variable and the bad value), exit code 2, no traceback, bef
 Faults (where the command has the input): a missing checkpoint / input folder, a wrong preset name, an unwritable
 output, ``$ALFWORLD_DATA`` pointing at nothing, a teacher whose vocabulary differs from the student's. Each case runs
 the command in a subprocess from the repository root, without ``$ALFWORLD_DATA`` unless the case sets it.
-(``python -m experiments.train`` has the same cases in tests/test_train_cli.py.)
+(``python -m experiments.train`` has the same cases in tests/methods/test_train_cli.py.)
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 
 ROOT = Path(__file__).resolve().parents[2]
 MICRO = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
@@ -49,9 +51,10 @@ CASES = [
     ("experiments.train_report", "checkpoint", ["{missing}", "--out", "{out}"], None,
      ["run folder", "{missing}", "no such folder"]),
     ("experiments.train_report", "out", ["{run}", "--out", "{blocked}"], None, ["--out", "{blocked}", "not writable"]),
-    # experiments.report
-    ("experiments.report", "checkpoint", ["{missing}"], None, ["OUT_DIR", "{missing}", "no such folder"]),
-    ("experiments.report", "out", ["{file}"], None, ["OUT_DIR", "{file}", "not a folder"]),
+    # experiments.actfirst_alfworld.report
+    ("experiments.actfirst_alfworld.report", "checkpoint", ["{missing}"], None,
+     ["OUT_DIR", "{missing}", "no such folder"]),
+    ("experiments.actfirst_alfworld.report", "out", ["{file}"], None, ["OUT_DIR", "{file}", "not a folder"]),
     # bench.sampler_throughput
     ("bench.sampler_throughput", "preset", ["--model", "laptop", "--out", "{out}/r.json"], None,
      ["--model", "laptop", "neither an architecture preset", "nor"]),
@@ -146,7 +149,8 @@ def test_every_command_line_is_covered():
         faults.setdefault(command, set()).add(fault)
     expected = {"experiments.actfirst_alfworld": {"checkpoint", "preset", "out", "alfworld_data"},
                 "experiments.evaluate": {"checkpoint", "preset", "out", "alfworld_data"},
-                "experiments.train_report": {"checkpoint", "out"}, "experiments.report": {"checkpoint", "out"},
+                "experiments.train_report": {"checkpoint", "out"},
+                "experiments.actfirst_alfworld.report": {"checkpoint", "out"},
                 "bench.sampler_throughput": {"preset", "out"}, "bench.engine_overhead": {"preset", "out"},
                 "bench.mixed_steps": {"preset", "out"},
                 "bench.env_pool": {"checkpoint", "out"}, "bench.env_throughput": {"checkpoint", "preset", "out"},

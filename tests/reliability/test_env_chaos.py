@@ -13,6 +13,8 @@ import signal
 
 import pytest
 
+pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
+
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="ScienceWorld needs a Java runtime")
 
 

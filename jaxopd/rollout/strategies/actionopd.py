@@ -44,7 +44,7 @@ from jaxopd.rollout.strategies.base import (
 )
 from jaxopd.rollout.thinking import ThinkingBudget
 from jaxopd.rollout.trajectory import Response, Trajectory, trajectory_samples
-from jaxopd.train.buffer import Sample
+from jaxopd.sample import Sample
 
 __all__ = ["ActionOPDConfig", "ActionOPDStrategy", "assign_group_advantages", "collection_samples"]
 

@@ -56,7 +56,7 @@ class RolloutConfig:
     ``fixed_output_lengths``: the rollout-efficiency protocol of App. C.5 (Table 8), not training: every request
     generates exactly its token limit (``min_new_tokens == max_new_tokens``, no stop strings, end-of-sequence
     ignored), and a full response is one request of ``thinking_budget.total_tokens`` tokens, without the
-    App. B.3 early-stop insertion (``experiments.speedup_protocol`` replays fixed contexts this way).
+    App. B.3 early-stop insertion (``experiments.actfirst_alfworld.protocol`` replays fixed contexts this way).
     """
 
     max_turns: int = 30
