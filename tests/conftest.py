@@ -11,6 +11,12 @@ import pytest  # noqa: E402
 
 os.environ.pop("JAXOPD_MALLOC_TUNING", None)    # glibc's defaults in the test session and the commands it starts
 
+try:        # alfworld's import writes $ALFWORLD_DATA; import it once here the way envs does, which undoes that, so that
+    from envs import import_alfworld        # tests' own `pytest.importorskip("alfworld")` cannot leak the variable
+    import_alfworld()
+except ImportError:                         # the [envs] extra is not installed: those tests skip
+    pass
+
 SMALL_HF_CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                        rope_theta=1_000_000.0, rms_norm_eps=1e-6)

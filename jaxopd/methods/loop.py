@@ -389,9 +389,7 @@ class Trainer:
                     wanted = 1 if method.trains_in_collections else config.batch_size
                     empty = 0
                     while buffer.available(version) < wanted:
-                        if method.trains_in_collections and int(meta["collections"]) >= config.updates:
-                            break       # the last collection step gave nothing left to train on
-                        if empty == _MAX_EMPTY_COLLECTIONS:
+                        if empty == _MAX_EMPTY_COLLECTIONS:       # before the budget: a run of empty ones is an error
                             what = "collections" if method.trains_in_collections else "waves"
                             raise RuntimeError(
                                 f"{config.method}: {empty} consecutive {what} of {wave} task starts gave no training "
@@ -399,6 +397,8 @@ class Trainer:
                                 + (" (no state had a valid teacher action and a reward range among its candidates); "
                                    "the teacher or the student cannot act in this format"
                                    if method.trains_in_collections else f"; last failure: {self._last_failure}"))
+                        if method.trains_in_collections and int(meta["collections"]) >= config.updates:
+                            break       # the last collection step gave nothing left to train on
                         start = int(meta["cursor"])
                         picks = self._picks(range(start, start + wave))
                         trajectories = self._collect(strategy, picks)
