@@ -112,14 +112,14 @@ PRESETS: dict[str, Preset] = {
              "512 tokens alone is 15,360 sequential decode steps); 64-token pages and at most 4 prompts per "
              "prefill step keep the warm-up's shape buckets few"),
     "cpu": Preset(
-        name="cpu", model="tiny", tasks_per_batch=2, num_contexts=2, num_batches=1, repeats=3,
+        name="cpu", model="tiny", tasks_per_batch=2, num_contexts=2, num_batches=1, repeats=2,
         fast_tokens=16, full_lengths=(128, 512), bmax_scan=(2, 6), bmax_scan_T=2,
         horizon_scan=(1, 2, 3), horizon_scan_bmax=6, calibration_contexts=2, calibration_measurements=1,
         prefill_chunk=512, max_prefill_tokens=512, max_prefill_rows=1, page_size=64,
         note="the tiny Qwen3 (real 151,936-token vocabulary, small body) scaled to fit 10 minutes on 2 CPU cores "
-             "with 3 paired repeats per point (a mean and a spread: one repeat on a shared machine read above its "
-             "own idealized bound), so 4 points: b_max/N 1 and 3 at T = 2, T 1 to 3 at b_max/N 3; one prompt per "
-             "prefill step and 64-token pages keep the warm-up at 10 compiled shapes"),
+             "with 2 paired repeats per point (a mean and a spread: one repeat on a shared machine read above its "
+             "own idealized bound; 3 repeats took 13 min 6 s), so 4 points: b_max/N 1 and 3 at T = 2, T 1 to 3 at "
+             "b_max/N 3; one prompt per prefill step and 64-token pages keep the warm-up at 10 compiled shapes"),
 }
 
 
