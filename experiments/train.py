@@ -202,15 +202,11 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if getattr(args, "config", None):
         with cli.usage_errors(ValueError):
             from_file = read_config_file(args.config)
-    method = args.method or from_file.pop("method", None)
-    preset = args.preset or from_file.pop("preset", None) or "cpu"
-    from_file.pop("method", None), from_file.pop("preset", None)
+    file_method, file_preset = from_file.pop("method", None), from_file.pop("preset", None)
+    method = args.method or file_method
+    preset = args.preset or file_preset or "cpu"
     if method is None:
         raise UsageError("--method is required (or `method` in the --config file)")
-    if method not in METHODS:
-        raise UsageError(f"--config: unknown method {method!r}; expected one of {METHODS}")
-    if preset not in PRESETS:
-        raise UsageError(f"--config: unknown preset {preset!r}; expected one of {PRESETS}")
     args.method, args.preset = method, preset
     flags = {name: getattr(args, name, None) for name in FLAG_FIELDS}
     overrides = {**from_file, **{k: v for k, v in flags.items() if v is not None}}

@@ -83,6 +83,21 @@ class BenchmarkSource:
         return base / prefix / self.benchmark
 
 
+def official_games_root(games: str) -> Path | None:
+    """The folder of the official ALFWorld games when ``games`` selects them (``official``, or ``auto`` with
+    ``$ALFWORLD_DATA`` set), else None (generated games). ``BenchmarkError`` names an unset variable or a folder that
+    does not exist."""
+    data = os.environ.get(ALFWORLD_DATA_ENV)
+    if not (games == "official" or (games == "auto" and data)):
+        return None
+    if not data:
+        raise BenchmarkError(f"official ALFWorld games need ${ALFWORLD_DATA_ENV} to name their folder")
+    root = Path(data).expanduser()
+    if not root.is_dir():
+        raise BenchmarkError(f"${ALFWORLD_DATA_ENV}={data!r} is not a folder")
+    return root
+
+
 def resolve_source(benchmark: str, games: str = "auto", *, counts: GeneratedCounts = GeneratedCounts(),
                    cache_dir: str | os.PathLike | None = None, progress: bool = True) -> BenchmarkSource:
     """The task source of ``benchmark``. ALFWorld ``auto``: official games when ``$ALFWORLD_DATA`` is set, else
@@ -96,14 +111,10 @@ def resolve_source(benchmark: str, games: str = "auto", *, counts: GeneratedCoun
         from envs.scienceworld import ScienceWorldEnv
         return BenchmarkSource("scienceworld", None, "scienceworld", ScienceWorldEnv)
     from envs.alfworld import AlfWorldEnv
-    data = os.environ.get(ALFWORLD_DATA_ENV)
-    if games == "official" or (games == "auto" and data):
-        if not data:
-            raise BenchmarkError(f"official ALFWorld games need ${ALFWORLD_DATA_ENV} to name their folder")
-        root = Path(data).expanduser()
-        if not root.is_dir():
-            raise BenchmarkError(f"${ALFWORLD_DATA_ENV}={data!r} is not a folder")
+    root = official_games_root(games)
+    if root is not None:
         from envs.alfworld import data_dir_of
+        data = os.environ.get(ALFWORLD_DATA_ENV)
         if not any(data_dir_of(root).glob("*/")):
             raise BenchmarkError(f"${ALFWORLD_DATA_ENV}={data!r} holds no ALFWorld split folders")
         return BenchmarkSource("alfworld", root, "official", functools.partial(AlfWorldEnv, root))
@@ -144,5 +155,5 @@ def lazy_references_for(source: BenchmarkSource, tasks: Sequence[Task], *,
 
 
 __all__ = ["BENCHMARKS", "GAME_SOURCES", "TRAIN_SPLIT", "EVAL_SPLITS", "BenchmarkError", "GeneratedCounts",
-           "BenchmarkSource", "resolve_source", "subset", "references_for",
+           "official_games_root", "BenchmarkSource", "resolve_source", "subset", "references_for",
            "lazy_references_for"]

@@ -468,9 +468,8 @@ def check_task_source(config: RunConfig, *, evaluate: bool = True) -> None:
     or when ``train_tasks`` exceeds the training tasks there are (official games, ScienceWorld; generated games are
     checked by ``RunConfig`` itself). Reads the environment and, for official games, the game index (no engine)."""
     import os
-    from pathlib import Path
 
-    from jaxopd.methods.benchmarks import ALFWORLD_DATA_ENV, TRAIN_SPLIT
+    from jaxopd.methods.benchmarks import ALFWORLD_DATA_ENV, TRAIN_SPLIT, official_games_root
 
     splits = [TRAIN_SPLIT[config.benchmark]] + ([config.resolved_eval_split] if evaluate else [])
     if config.benchmark == "scienceworld":
@@ -478,18 +477,14 @@ def check_task_source(config: RunConfig, *, evaluate: bool = True) -> None:
         available = len(scienceworld_split("train"))
         where = "ScienceWorld"
     else:
-        data = os.environ.get(ALFWORLD_DATA_ENV)
-        if not (config.games == "official" or (config.games == "auto" and data)):     # generated games
+        root = official_games_root(config.games)
+        if root is None:                                                    # generated games
             if config.train_tasks is not None and config.train_tasks > config.generated_train_games:
                 raise ValueError(f"RunConfig.train_tasks {config.train_tasks} exceeds the "
                                  f"{config.generated_train_games} generated ALFWorld training games "
                                  "(generated_train_games)")
             return
-        if not data:
-            raise ValueError(f"official ALFWorld games need ${ALFWORLD_DATA_ENV} to name their folder")
-        root = Path(data).expanduser()
-        if not root.is_dir():
-            raise ValueError(f"${ALFWORLD_DATA_ENV}={data!r} is not a folder")
+        data = os.environ[ALFWORLD_DATA_ENV]
         from envs.alfworld import data_dir_of, discover_games
         counts = {}
         for split in dict.fromkeys(splits):

@@ -312,13 +312,13 @@ def task_list_act_here_text(state: TaskState) -> str:
     apple 1. I must cool it with a fridge. I am at fridge 1. It is closed. I can cool apple 1 with fridge 1."``
     (the tool sentence of ``task-plan-here`` gives way to the command).
 
-    Why. Stop 29's ``task-list-plan-here`` teacher said "I see cd 4 here." where the goal object lay, then took
-    another object of the admissible list (41 of 44 such rounds in play): the action's object had to be found two
-    sentences back, among the many ``take X N from R`` of the prompt. Ending the thinking on the command itself
-    makes the action a copy of the span just written, and the command in the thinking copies its object from the
-    sentence before it and its receptacle from the one just before (``I am at countertop 1.``). The object named is
-    the one the demonstration takes (:func:`expert_pick_first`): earlier variants named the first listed of a class,
-    and 54 of the expert's 236 takes on the training games took another one."""
+    Why. A ``task-list-plan-here`` teacher (tiny CPU model, 2026-11) said "I see cd 4 here." where the goal object
+    lay, then took another object of the admissible list (41 of 44 such rounds in play): the action's object had to
+    be found two sentences back, among the many ``take X N from R`` of the prompt. Ending the thinking on the
+    command itself makes the action a copy of the span just written, and the command in the thinking copies its
+    object from the sentence before it and its receptacle from the one just before (``I am at countertop 1.``). The
+    object named is the one the demonstration takes (:func:`expert_pick_first`): earlier variants named the first
+    listed of a class, and 54 of the expert's 236 takes on the training games took another one."""
     state = expert_pick_first(state)
     text = _task_text(state, listing=True, tool_sentence=False)
     command = command_here(state)
@@ -345,13 +345,13 @@ def task_tool_act_here_text(state: TaskState) -> str:
     turn of a task that cleans, heats or cools (``--sft-thinking task-tool-act-here``): ``"Your task is to: put a
     clean bowl in microwave. Tool: clean it with a sinkbasin. I need a bowl. I am at cabinet 3."``
 
-    Why. Stop 30's ``task-list-act-here`` teacher said the wrong verb or tool in 77 of its 102 play rounds that
-    hold the object still to change ("put a clean bowl in microwave" → "I must heat it with a microwave."; after a
-    pickup at a tool receptacle, it named that receptacle in 23 of 32 episodes). The only demonstrations of the
-    instruction-to-tool map were those rounds, 194 of the 2,329 expert turns, and the tool word was written after
-    several receptacle names. Here the map is written in every turn of a change task (about half of the corpus),
-    three tokens after the instruction's adjective and before any receptacle of the room is named; the later
-    "I must clean it with a sinkbasin." and the change command copy the verb and tool from it."""
+    Why. A ``task-list-act-here`` teacher (tiny CPU model, 2026-11) said the wrong verb or tool in 77 of its 102
+    play rounds that hold the object still to change ("put a clean bowl in microwave" → "I must heat it with a
+    microwave."; after a pickup at a tool receptacle, it named that receptacle in 23 of 32 episodes). The only
+    demonstrations of the instruction-to-tool map were those rounds, 194 of the 2,329 expert turns, and the tool
+    word was written after several receptacle names. Here the map is written in every turn of a change task (about
+    half of the corpus), three tokens after the instruction's adjective and before any receptacle of the room is
+    named; the later "I must clean it with a sinkbasin." and the change command copy the verb and tool from it."""
     text = task_list_act_here_text(state)
     sentence = tool_sentence(state.goal)
     if sentence is None:
@@ -371,12 +371,12 @@ def task_tool_refused_act_here_text(state: TaskState) -> str:
     ``"Your task is to: examine the cd with the desklamp. Refused: go to drawer 4. I hold cd 1. I need a desklamp.
     I am at drawer 3. It is closed."``; the same words as ``task-tool-act-here`` in every other turn.
 
-    Why. Stop 31's 44 % teacher lost 20 of its 36 episodes, and 207 of their 600 moves were refused, 96 of them the
-    very command refused the turn before (``go to drawer 4`` ten times running). After a refusal the state is what
-    it was, so its thinking was word for word the thinking before, and so was its command. Saying the refused
-    command makes the turn after a refusal a context of its own, copied from the end of the prompt, whose
-    demonstrations (the refused and missing copies, ``refused_turn`` / ``missing_turn``) never give that command
-    again."""
+    Why. A 44 % teacher (tiny CPU model, 2026-11) lost 20 of its 36 episodes, and 207 of their 600 moves were
+    refused, 96 of them the very command refused the turn before (``go to drawer 4`` ten times running). After a
+    refusal the state is what it was, so its thinking was word for word the thinking before, and so was its command.
+    Saying the refused command makes the turn after a refusal a context of its own, copied from the end of the
+    prompt, whose demonstrations (the refused and missing copies, ``refused_turn`` / ``missing_turn``) never give
+    that command again."""
     text = task_tool_act_here_text(state)
     if state.refused is None:
         return text
@@ -508,10 +508,10 @@ def missing_receptacle(inputs: PromptInputs, location: str) -> str:
 
 def missing_turn(turn: WalkthroughTurn) -> WalkthroughTurn | None:
     """``turn`` after a ``go to`` a receptacle the room does not have, refused ("Nothing happens."): one past the
-    last of the class the agent stands at (:func:`missing_receptacle`). Stop 30's teacher counted on past the room's
-    receptacles (``go to drawer 3`` with two drawers, ``go to garbagecan 2`` with one) and repeated the refused
-    command for many turns (one episode: 22 of its 30). As :func:`refused_turn`, the demonstrated action stays a_t,
-    and None before the first arrival and where the refusal hides what the next command needs."""
+    last of the class the agent stands at (:func:`missing_receptacle`). A tiny CPU teacher (2026-11) counted on past
+    the room's receptacles (``go to drawer 3`` with two drawers, ``go to garbagecan 2`` with one) and repeated the
+    refused command for many turns (one episode: 22 of its 30). As :func:`refused_turn`, the demonstrated action
+    stays a_t, and None before the first arrival and where the refusal hides what the next command needs."""
     return _after_refused_go_to(turn, missing_receptacle)
 
 
