@@ -31,9 +31,9 @@ import numpy as np
 
 from jaxopd import cli
 from jaxopd.machine import machine_info
-from kernels.paged_attention_reference import HeadsFirstReferenceBackend
-from kernels.pallas_gpu import PallasGpuBackend
-from kernels.pallas_tpu import PallasTpuBackend
+from jaxopd_kernels.paged_attention_reference import HeadsFirstReferenceBackend
+from jaxopd_kernels.pallas_gpu import PallasGpuBackend
+from jaxopd_kernels.pallas_tpu import PallasTpuBackend
 
 
 def parse_args(argv=None):

@@ -43,7 +43,7 @@ def parse_args(argv=None):
 
 def check_args(args) -> None:
     cli.check_model_preset("--model", args.model)
-    import kernels
+    from jaxopd_kernels import registry as kernels
     choices = [kernels.AUTO, *kernels.available_backends()]
     if args.backend not in choices:
         raise cli.UsageError(f"--backend {args.backend!r} is not an attention backend; choose one of {choices}")

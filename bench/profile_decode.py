@@ -133,7 +133,7 @@ def check_args(args) -> None:
     extra = sorted(set(args.trace_batches or ()) - set(args.batches))
     if extra:
         raise cli.UsageError(f"--trace-batches {extra} are not among --batches {args.batches}")
-    import kernels
+    from jaxopd_kernels import registry as kernels
     choices = [kernels.AUTO, *kernels.available_backends()]
     if args.backend not in choices:
         raise cli.UsageError(f"--backend {args.backend!r} is not an attention backend; choose one of {choices}")
@@ -535,8 +535,7 @@ def build_model(args):
 def attention_backend(args) -> tuple[str, dict]:
     """The backend name for ``EngineConfig`` and its kernel options; a pallas-gpu with options is registered as
     ``pallas-gpu-tuned``."""
-    import kernels
-
+    from jaxopd_kernels import registry as kernels
     options = kernel_options(args)
     if not options:
         return kernels.resolve_backend_name(args.backend), {}

@@ -1,7 +1,7 @@
 """Rollout-quality metrics (ActFirst-OPD App. C.5) of every rollout strategy on generated ALFWorld train games.
 
 Each strategy of ``jaxopd.rollout.strategies`` plays one episode per task (``--tasks`` generated ALFWorld train
-games with their references, ``envs.alfworld_gen`` / ``envs.references``) with the same student, the same
+games with their references, ``jaxopd_envs.alfworld_gen`` / ``jaxopd_envs.references``) with the same student, the same
 sampling seeds for each task and turn, and the same turn limit:
 
 * ``vanilla``: think-then-act under the App. B.3 thinking budget;
@@ -174,7 +174,7 @@ def markdown(result: dict) -> str:
 def main(argv: Sequence[str] | None = None):
     args = parse_args(argv)
     check_args(args)
-    from envs.pool import EnvPool
+    from jaxopd_envs.pool import EnvPool
     from jaxopd.sampler import Engine
 
     factory, tasks, references, games = alfworld_tasks(args.tasks, args.games_root, args.references_dir,

@@ -167,7 +167,7 @@ def check_args(args) -> None:
             raise cli.UsageError(f"--model {args.model!r} is neither an architecture preset {sorted(PRESETS)} nor "
                                  f"a catalogue model {sorted(PRETRAINED)}")
     if args.backend:
-        import kernels
+        from jaxopd_kernels import registry as kernels
         choices = [kernels.AUTO, *kernels.available_backends()]
         for name in args.backend:
             if name not in choices:
@@ -184,7 +184,7 @@ def main(argv=None):
     import jax
     from flax import nnx
 
-    import kernels
+    from jaxopd_kernels import registry as kernels
     from bench.engine_overhead import StepClock
     from jaxopd.models.decoder import CausalLM, ModelConfig
     from jaxopd.sampler import Engine, EngineConfig

@@ -6,8 +6,8 @@ the tokenizer's vocabulary: random weights, so the actions are noise; the soak m
 agent), the real Qwen3 tokenizer, and
 ActFirst-OPD's rollout strategy in its fast-action form (next-action prediction only: the ``no-id`` ablation, one
 action-only request of at most ``--fast-tokens`` tokens per turn; ``--full-tokens N`` adds the asynchronous full
-responses of N tokens). Two ``envs.pool.EnvPool`` instances over real environments: ALFWorld games (the official games
-under ``$ALFWORLD_DATA`` when set, else the games generated from the alfworld wheel's floor plans, cached under
+responses of N tokens). Two ``jaxopd_envs.pool.EnvPool`` instances over real environments: ALFWorld games (the official
+games under ``$ALFWORLD_DATA`` when set, else the games generated from the alfworld wheel's floor plans, cached under
 ~/.cache/jaxopd/alfworld_games: ALFWorld-format tasks, not the benchmark's splits; worker processes) and
 ScienceWorld 1.2.3 (train split, simplification ``easy``; each slot's environment its own JVM, in threads; the JVM
 heap is the JVM's default unless ``--jvm-max-heap`` caps it). ``--slots`` runner threads, split between the two by
@@ -420,7 +420,7 @@ def run(args, argv: Sequence[str]) -> dict[str, Any]:
     import tqdm
 
     from bench.env_throughput import build_model, engine_config, thinking_budget
-    from envs.pool import EnvPool
+    from jaxopd_envs.pool import EnvPool
     from jaxopd.methods.benchmarks import GeneratedCounts, resolve_source
     from jaxopd.rollout.strategies import ActFirstStrategy, actfirst_config
     from jaxopd.sampler import Engine

@@ -1,8 +1,8 @@
 """ALFWorld on its real text engine (TextWorld's PDDL environment with alfworld's name demangler).
 
 Owns game discovery in an ALFWorld ``json_2.1.1`` tree (the official release under ``$ALFWORLD_DATA`` or
-one written by ``envs.alfworld_gen``) and ``AlfWorldEnv``, the ``TextEnv`` that plays those games. The
-engine session and the tree's names live in ``envs.alfworld_engine`` (re-exported here); importing this
+one written by ``jaxopd_envs.alfworld_gen``) and ``AlfWorldEnv``, the ``TextEnv`` that plays those games. The
+engine session and the tree's names live in ``jaxopd_envs.alfworld_engine`` (re-exported here); importing this
 module needs only the standard library.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from envs.alfworld_engine import (
+from jaxopd_envs.alfworld_engine import (
     ALFWORLD_SPLITS,
     BENCHMARK,
     DATA_SUBDIR,
@@ -27,8 +27,8 @@ from envs.alfworld_engine import (
     AlfredEngine,
     admissible_actions,
 )
-from envs.base import EnvError, Observation, Task, TextEnv, require_int
-from envs.checks import normalize_action
+from jaxopd_envs.base import EnvError, Observation, Task, TextEnv, require_int
+from jaxopd_envs.checks import normalize_action
 
 __all__ = ["BENCHMARK", "TASK_TYPES", "ALFWORLD_SPLITS", "GAME_FILE", "TRAJ_FILE", "INDEX_FILE", "DATA_SUBDIR",
            "AlfredEngine", "admissible_actions", "NoGamesError", "GameRecord", "AlfWorldEnv", "split_intro",
@@ -84,7 +84,7 @@ def discover_games(root: str | os.PathLike, split: str) -> list[GameRecord]:
 
     Follows the official loader (``AlfredTWEnv.collect_game_files``): a game is a folder with
     ``traj_data.json`` and a ``game.tw-pddl`` marked solvable; movable-receptacle and sliced tasks are
-    skipped. A tree written by ``envs.alfworld_gen`` carries an index that is read instead of the files.
+    skipped. A tree written by ``jaxopd_envs.alfworld_gen`` carries an index that is read instead of the files.
     """
     if split not in ALFWORLD_SPLITS:
         raise ValueError(f"unknown ALFWorld split {split!r}; expected one of {ALFWORLD_SPLITS}")
@@ -143,7 +143,7 @@ class AlfWorldEnv(TextEnv):
     """ALFWorld games behind ``TextEnv``.
 
     ``game_root`` is a folder holding ``json_2.1.1/{train,valid_seen,valid_unseen}`` (the official release,
-    e.g. ``$ALFWORLD_DATA``) or a tree written by ``envs.alfworld_gen``. Without it: ``$ALFWORLD_DATA``
+    e.g. ``$ALFWORLD_DATA``) or a tree written by ``jaxopd_envs.alfworld_gen``. Without it: ``$ALFWORLD_DATA``
     when it holds the official games, else the generator's cached games (generated on first use).
     ``source`` says which one is in use ("official" or "generated").
 
@@ -170,7 +170,7 @@ class AlfWorldEnv(TextEnv):
             if official is not None:
                 game_root, self.source = official, "official"
             else:
-                from envs import alfworld_gen  # lazy: generation needs numpy and the alfworld data
+                from jaxopd_envs import alfworld_gen  # lazy: generation needs numpy and the alfworld data
                 game_root, self.source = alfworld_gen.ensure_games(seed=generator_seed), "generated"
         else:
             game_root = Path(game_root).expanduser()
@@ -226,9 +226,9 @@ class AlfWorldEnv(TextEnv):
         return plan
 
     def searching_expert_actions(self, task: Task, *, max_turns: int | None = None, seed: int = 0):
-        """The searching expert's episode on ``task`` (``envs.alfworld_expert.play_searching_expert``; its own
+        """The searching expert's episode on ``task`` (``jaxopd_envs.alfworld_expert.play_searching_expert``; its own
         engine, so this environment's episode is untouched). ``max_turns`` None: the expert's default."""
-        from envs.alfworld_expert import DEFAULT_EXPERT_MAX_TURNS, play_searching_expert
+        from jaxopd_envs.alfworld_expert import DEFAULT_EXPERT_MAX_TURNS, play_searching_expert
 
         return play_searching_expert(self._game_file(task), seed=seed,
                                      max_turns=DEFAULT_EXPERT_MAX_TURNS if max_turns is None else max_turns)

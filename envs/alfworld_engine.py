@@ -2,7 +2,7 @@
 
 Owns ``AlfredEngine`` (one TextWorld PDDL game session with ALFWorld's name demangler), the process-wide
 engine lock and PDDL translation cache it needs, and the names of an ALFWorld ``json_2.1.1`` tree. Both
-``envs.alfworld`` (which plays games) and ``envs.alfworld_gen`` (which writes and verifies them) import
+``jaxopd_envs.alfworld`` (which plays games) and ``jaxopd_envs.alfworld_gen`` (which writes and verifies them) import
 it; it imports neither. Importing it needs only the standard library: TextWorld is loaded by the first
 ``AlfredEngine``.
 """
@@ -15,8 +15,8 @@ import sys
 import threading
 from typing import Any, Mapping
 
-from envs.base import EnvError
-from envs import import_alfworld
+from jaxopd_envs.base import EnvError
+from jaxopd_envs.alfworld_import import import_alfworld
 
 BENCHMARK = "alfworld"
 TASK_TYPES = (
@@ -30,7 +30,7 @@ TASK_TYPES = (
 ALFWORLD_SPLITS = ("train", "valid_seen", "valid_unseen")
 GAME_FILE = "game.tw-pddl"
 TRAJ_FILE = "traj_data.json"
-INDEX_FILE = "index.json"          # written by envs.alfworld_gen; lists the games of a generated tree
+INDEX_FILE = "index.json"          # written by jaxopd_envs.alfworld_gen; lists the games of a generated tree
 DATA_SUBDIR = "json_2.1.1"         # the official release keeps its splits under this folder
 REFUSED_FEEDBACK = "Nothing happens."
 """The engine's answer to a command it does not execute (alfworld 0.4), and ``AlfWorldEnv``'s to one outside the
@@ -49,7 +49,7 @@ _TRANSLATION_LOCK = threading.Lock()
 # command and feedback is derived through the grammar), and concurrent loading of libdownward copies
 # crashed the process here. Every engine call therefore holds this lock. It costs little: the engine's work
 # is pure Python (tatsu parsing, deepcopy), so threads could not overlap it under the GIL anyway. For
-# parallel speed ALFWorld runs in worker processes, each with its own lock (``envs.pool``'s process backend).
+# parallel speed ALFWorld runs in worker processes, each with its own lock (``jaxopd_envs.pool``'s process backend).
 ENGINE_LOCK = threading.RLock()
 TRANSLATION_CACHE_SIZE = 32          # (problem, pass) entries; a kitchen game holds about 3.5 MB
 _translations: "collections.OrderedDict[tuple[str, bool], Any]" = collections.OrderedDict()

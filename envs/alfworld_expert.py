@@ -14,9 +14,9 @@ the shipped expert for the engine of alfworld 0.4 (whose put command is ``move X
 learns that a ``move`` put the object down (without this, a two-object task never finishes), and a repeated
 action is replaced by a seeded choice of the admissible commands as the shipped ``HandCodedTWAgent`` does.
 ``ExpertEpisode`` is what it returns. Turning an episode into a reference trajectory (validated by replay on
-``AlfWorldEnv``) is ``envs.references``'s job.
+``AlfWorldEnv``) is ``jaxopd_envs.references``'s job.
 
-Its report over a split (success and length per task type) is ``envs.alfworld_expert_report``.
+Its report over a split (success and length per task type) is ``jaxopd_envs.alfworld_expert_report``.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ import random
 import threading
 from pathlib import Path
 
-from envs.alfworld_engine import TRAJ_FILE, AlfredEngine
-from envs.base import EnvError, require_int
-from envs import import_alfworld
+from jaxopd_envs.alfworld_engine import TRAJ_FILE, AlfredEngine
+from jaxopd_envs.base import EnvError, require_int
+from jaxopd_envs.alfworld_import import import_alfworld
 
 __all__ = ["ExpertEpisode", "play_searching_expert", "DEFAULT_EXPERT_MAX_TURNS"]
 

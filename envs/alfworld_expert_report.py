@@ -1,8 +1,8 @@
 """How well ALFWorld's searching expert plays a split: its success rate and length per task type.
 
-``python -m envs.alfworld_expert_report --split valid_unseen --max-turns 30`` plays the expert
-(``envs.alfworld_expert``) on every game of the split and prints a markdown table (JSON and the table with
-``--out``): the ceiling of a policy that imitates it. A module of its own because it needs ``envs.alfworld``
+``python -m jaxopd_envs.alfworld_expert_report --split valid_unseen --max-turns 30`` plays the expert
+(``jaxopd_envs.alfworld_expert``) on every game of the split and prints a markdown table (JSON and the table with
+``--out``): the ceiling of a policy that imitates it. A module of its own because it needs ``jaxopd_envs.alfworld``
 (the games of a split), which itself uses the expert.
 """
 from __future__ import annotations
@@ -15,13 +15,14 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from envs.alfworld_expert import DEFAULT_EXPERT_MAX_TURNS
+from jaxopd_envs.alfworld_expert import DEFAULT_EXPERT_MAX_TURNS
 
 __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m envs.alfworld_expert_report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jaxopd_envs.alfworld_expert_report",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--games-root", default=None, help="an ALFWorld tree (default: as AlfWorldEnv chooses)")
     parser.add_argument("--split", default="valid_unseen")
     parser.add_argument("--max-turns", type=int, default=DEFAULT_EXPERT_MAX_TURNS)
@@ -30,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_turns < 1:
         parser.error(f"--max-turns must be at least 1, got {args.max_turns}")
-    from envs.alfworld import AlfWorldEnv
+    from jaxopd_envs.alfworld import AlfWorldEnv
 
     start = time.perf_counter()
     with AlfWorldEnv(args.games_root) as env:
@@ -67,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        command = "python -m envs.alfworld_expert_report " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = "python -m jaxopd_envs.alfworld_expert_report " + " ".join(sys.argv[1:] if argv is None else argv)
         out.write_text(json.dumps({"command": command, "split": args.split, "max_turns": args.max_turns,
                                    "seed": args.seed, "source": source, "rows": rows, "games": games}, indent=2)
                        + "\n")

@@ -2,7 +2,7 @@
 grammar shipped in the ``alfworld`` wheel, solves and verifies each on the real engine, caches them on disk.
 
 Games are written as an ALFWorld ``json_2.1.1`` tree (``<split>/<task folder>/<trial>/{game.tw-pddl,
-traj_data.json, initial_state.pddl}``) that ``envs.alfworld.AlfWorldEnv`` plays like the official release.
+traj_data.json, initial_state.pddl}``) that ``jaxopd_envs.alfworld.AlfWorldEnv`` plays like the official release.
 They are ALFWorld-format tasks on the real engine, *not* the ALFWorld benchmark games: rooms are ALFRED's
 floor plans (receptacle ids and interaction poses from ``layouts/FloorPlan*-openable.json``, object
 types from ``FloorPlan*-objects.json``), objects are placed at random where ALFRED's tables allow.
@@ -28,8 +28,8 @@ without a game root, hence the main job and the benchmarks: ALFWorld's evaluatio
 ``experiments.train --generated-train-games N`` replaces its train count). The tree's cache folder is a hash of
 the counts, so the same train count with other evaluation counts is another tree.
 
-CLI: ``python -m envs.alfworld_gen --out DIR --num N --seed S``; ``--counts training --num N`` makes (in the cache)
-exactly the tree ``experiments.train --generated-train-games N`` uses.
+CLI: ``python -m jaxopd_envs.alfworld_gen --out DIR --num N --seed S``; ``--counts training --num N`` makes (in the
+cache) exactly the tree ``experiments.train --generated-train-games N`` uses.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from envs.alfworld_engine import (
+from jaxopd_envs.alfworld_engine import (
     ALFWORLD_SPLITS,
     DATA_SUBDIR,
     GAME_FILE,
@@ -62,9 +62,9 @@ from envs.alfworld_engine import (
     AlfredEngine,
     admissible_actions,
 )
-from envs.base import EnvError, require_int
-from envs.workers import worker_init
-from envs import import_alfworld
+from jaxopd_envs.base import EnvError, require_int
+from jaxopd_envs.workers import worker_init
+from jaxopd_envs.alfworld_import import import_alfworld
 
 logger = logging.getLogger(__name__)
 
@@ -824,7 +824,7 @@ def _describe(counts: Mapping[str, int]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m envs.alfworld_gen", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jaxopd_envs.alfworld_gen", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="output folder (default: the cache, see --cache-dir / $JAXOPD_CACHE)")
     parser.add_argument("--cache-dir", help="cache base folder used when --out is not given")
     parser.add_argument("--counts", choices=sorted(COUNT_SETS), default="environment",

@@ -24,16 +24,16 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from envs.alfworld_state import CHANGE_TOOLS, parse_goal
-from envs.references import ReferenceTrajectory
-from envs import import_alfworld
+from jaxopd_envs.alfworld_state import CHANGE_TOOLS, parse_goal
+from jaxopd_envs.references import ReferenceTrajectory
+from jaxopd_envs.alfworld_import import import_alfworld
 
 __all__ = ["FIXED_CLASSES", "class_vocabularies", "classes_in_reference", "random_renaming", "rename_reference",
            "rename_text"]
 
 FIXED_CLASSES = frozenset({tool for _, tool in CHANGE_TOOLS.values()} | {"bathtubbasin", "desklamp", "floorlamp"})
 """Classes never renamed nor used as a new name: the receptacles that clean, heat or cool (the class decides the
-command's verb and ``envs.alfworld_state.CHANGE_TOOLS`` names them), the other basin the engine cleans in, and
+command's verb and ``jaxopd_envs.alfworld_state.CHANGE_TOOLS`` names them), the other basin the engine cleans in, and
 the lamps of look tasks."""
 
 

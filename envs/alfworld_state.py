@@ -17,15 +17,16 @@ import functools
 import re
 from typing import Sequence
 
-from envs.alfworld_engine import REFUSED_FEEDBACK, TASK_TYPES
-from envs import import_alfworld
+from jaxopd_envs.alfworld_engine import REFUSED_FEEDBACK, TASK_TYPES
+from jaxopd_envs.alfworld_import import import_alfworld
 
 __all__ = ["ALFWORLD_GOAL_TYPES", "CHANGE_TOOLS", "INSTRUCTION_PREFIX", "Goal", "parse_goal",
            "without_restated_instruction", "goal_of_task_id", "TaskState", "task_state",
            "objects_in_view", "objects_listed"]
 
 ALFWORLD_GOAL_TYPES = TASK_TYPES
-"""The six task types of ALFWorld's games (``alfworld.gen.goal_library`` keys; owned by ``envs.alfworld_engine``)."""
+"""The six task types of ALFWorld's games (``alfworld.gen.goal_library`` keys; owned by
+``jaxopd_envs.alfworld_engine``)."""
 
 INSTRUCTION_PREFIX = "your task is to:"
 """How ALFWorld instructions begin (lower-cased)."""

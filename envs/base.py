@@ -99,7 +99,7 @@ class EnvError(RuntimeError):
 class TextEnv(abc.ABC):
     """A resettable text environment. Not thread-safe: one thread steps one instance at a time.
 
-    Two class attributes tell ``envs.pool.EnvPool`` how to run instances: ``pool_backend`` is the
+    Two class attributes tell ``jaxopd_envs.pool.EnvPool`` how to run instances: ``pool_backend`` is the
     backend it picks by default ("thread", or "process" for an engine whose instances cannot overlap
     in one process), and ``call_lock``, when not None, is a lock that every call of every instance in
     this process holds (an engine that is not thread-safe); the pool acquires it before it starts

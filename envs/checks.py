@@ -1,7 +1,7 @@
 """Transition consistency checks of the ActFirst-OPD paper, App. B.5, for ALFWorld and ScienceWorld.
 
 Owns the observation normal forms used to compare an executed transition with its reference
-counterpart (built on the one text normaliser, :mod:`envs.text`; ScienceWorld's adds line and
+counterpart (built on the one text normaliser, :mod:`jaxopd_envs.text`; ScienceWorld's adds line and
 enumeration sorting) and the per-benchmark rules that decide whether reference guidance may continue.
 Each rule below quotes the sentence of App. B.5 it implements.
 
@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from envs.text import normalize_lines, normalize_text
+from jaxopd_envs.text import normalize_lines, normalize_text
 
 __all__ = [
     "TransitionCheck",
@@ -53,7 +53,7 @@ class TransitionCheck:
 class TransitionSide:
     """The observable outcome of one transition (actual or reference) that the checks compare.
 
-    ``envs.base.Observation`` has these attributes too, so an Observation can be passed directly;
+    ``jaxopd_envs.base.Observation`` has these attributes too, so an Observation can be passed directly;
     a mapping with these keys is accepted as well (e.g. one record of a reference cache).
     """
 
@@ -99,7 +99,7 @@ def _as_side(value: Any, what: str) -> TransitionSide:
 
 normalize_action = normalize_text
 """Action text normalisation: App. B.5 applies "the same text normalization" as to observations, on one
-line (the project's one normaliser, :func:`envs.text.normalize_text`, under the name callers use)."""
+line (the project's one normaliser, :func:`jaxopd_envs.text.normalize_text`, under the name callers use)."""
 
 
 def normalize_observation(text: str) -> str:

@@ -26,9 +26,9 @@ import threading
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, TypeVar
 
-from envs.base import EnvError, Observation, Task, TextEnv, require_int
-from envs.checks import observation_texts_equivalent
-from envs.workers import worker_init
+from jaxopd_envs.base import EnvError, Observation, Task, TextEnv, require_int
+from jaxopd_envs.checks import observation_texts_equivalent
+from jaxopd_envs.workers import worker_init
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def _close_in_background(env: TextEnv) -> None:
 _WORKER_ENVS: dict[int, TextEnv] = {}
 
 
-_worker_init = worker_init     # ignore Ctrl-C, exit with the parent (envs.workers)
+_worker_init = worker_init     # ignore Ctrl-C, exit with the parent (jaxopd_envs.workers)
 
 
 def _worker_build(env_id: int, env_factory: Callable[[], TextEnv]) -> str:
@@ -396,7 +396,7 @@ class EnvPool:
 
     ``verify_replay`` decides whether a replayed observation is the recorded one: by default
     (``"benchmark"``) the same termination flag and equal text in the benchmark's App. B.5 normal
-    form (``envs.checks.observation_texts_equivalent``; ScienceWorld may enumerate objects in another
+    form (``jaxopd_envs.checks.observation_texts_equivalent``; ScienceWorld may enumerate objects in another
     order after a reset); or a callable ``(recorded, replayed) -> bool``; or None (no check). A replay
     that does not match is a failed attempt: the trajectory is never continued from another state.
 
@@ -464,7 +464,7 @@ class EnvPool:
     def submit_reset(self, slot: int, task: Task) -> concurrent.futures.Future:
         """Reset ``slot``'s environment to ``task``; the future gives o_1. Clears the slot's trajectory."""
         if not isinstance(task, Task):
-            raise ValueError(f"task must be an envs.base.Task, got {type(task).__name__}")
+            raise ValueError(f"task must be a jaxopd_envs.base.Task, got {type(task).__name__}")
         return self._submit(slot, lambda s: self._reset(s, task))
 
     def submit_step(self, slot: int, action: str) -> concurrent.futures.Future:

@@ -4,7 +4,7 @@ Owns building one reference per training task (ALFWorld: the walkthrough; Scienc
 shortened while replay still succeeds), validating it by replay under the training environment, and
 the on-disk JSON cache of its observations o_1, o_2^ref, ... from which a rollout reads o_{t+1}^ref.
 The same records serve as supervised demonstrations, of either kind in ``REFERENCE_KINDS``: the environment's
-own solution, or (ALFWorld) the searching expert's episode (``envs.alfworld_expert``) with its invalid
+own solution, or (ALFWorld) the searching expert's episode (``jaxopd_envs.alfworld_expert``) with its invalid
 actions left out.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from envs.base import EnvError, Observation, Task, TextEnv, require_bool, require_int
-from envs.checks import normalize_action
-from envs.workers import worker_init
+from jaxopd_envs.base import EnvError, Observation, Task, TextEnv, require_bool, require_int
+from jaxopd_envs.checks import normalize_action
+from jaxopd_envs.workers import worker_init
 
 REFERENCE_FORMAT_VERSION = 1
 _FILE_SUFFIX = ".ref.json"
@@ -43,7 +43,7 @@ DROPPABLE_PREFIXES = ("look around", "look at ", "look in ", "inventory", "exami
 
 REFERENCE_KINDS = ("solution", "searching_expert")
 """What a reference replays: ``solution`` the environment's own (walkthrough, gold path); ``searching_expert``
-ALFWorld's hand-coded expert, which searches for objects from what it has seen (``envs.alfworld_expert``)."""
+ALFWorld's hand-coded expert, which searches for objects from what it has seen (``jaxopd_envs.alfworld_expert``)."""
 
 
 class ReferenceBuildError(RuntimeError):

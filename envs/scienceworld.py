@@ -16,8 +16,8 @@ import threading
 import weakref
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
-from envs.base import EnvError, Observation, Task, TextEnv, require_int, require_text
-from envs.checks import normalize_action, normalize_scienceworld_observation
+from jaxopd_envs.base import EnvError, Observation, Task, TextEnv, require_int, require_text
+from jaxopd_envs.checks import normalize_action, normalize_scienceworld_observation
 
 logger = logging.getLogger(__name__)
 

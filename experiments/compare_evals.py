@@ -94,7 +94,7 @@ def plot(result: Mapping[str, Any], path: Path) -> Path:
 
 
 def run(args, argv) -> int:
-    from experiments.episode_report import load_evaluation
+    from .episode_report import load_evaluation
     from jaxopd.methods.paired import BOOTSTRAP_RESAMPLES, outcomes_of, paired_comparison, restrict_to_common
 
     if len(args.eval) < 2:

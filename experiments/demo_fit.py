@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args, argv) -> int:
-    from envs.alfworld_state import parse_goal
+    from jaxopd_envs.alfworld_state import parse_goal
     from jaxopd.methods.benchmarks import GeneratedCounts, references_for, resolve_source, subset
     from jaxopd.methods.demo_fit import demonstration_fit
     from jaxopd.methods.sft_data import walkthrough_samples
@@ -194,7 +194,7 @@ def check_model_folder(flag: str, folder: str) -> None:
 
 
 def _free_running(model, samples, tokenizer, goals, args):
-    from experiments.evaluate import sized_engine_config
+    from .evaluate import sized_engine_config
     from jaxopd.methods.demo_fit import free_running_fit
     from jaxopd.rollout.thinking import ThinkingBudget
     from jaxopd.sampler import Engine

@@ -181,7 +181,7 @@ def preflight(options: EvalOptions, *, source: BenchmarkSource | None = None) ->
 def check_splits(options: EvalOptions, source: BenchmarkSource) -> None:
     """Every evaluated split of ``source`` holds tasks: ``BenchmarkError`` naming the split otherwise (official games
     under ``$ALFWORLD_DATA`` may lack a split, or hold no solvable game of it)."""
-    from envs.alfworld import NoGamesError
+    from jaxopd_envs.alfworld import NoGamesError
 
     for split in options.splits:
         try:
@@ -334,7 +334,7 @@ def run_evaluation(options: EvalOptions, source: BenchmarkSource, *,
     engine_config, tokenizer)`` replaces ``jaxopd.sampler.Engine``, ``tokenizer`` ``load_tokenizer``.
     """
     from jaxopd.machine import machine_info
-    from envs.pool import EnvPool
+    from jaxopd_envs.pool import EnvPool
 
     log = print if options.progress else (lambda *a, **k: None)
     timing: dict[str, float] = {}

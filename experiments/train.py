@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "at jaxopd.methods.config.SFT_THINKING")
     p.add_argument("--sft-renamed-copies", type=int, default=None, metavar="K",
                    help="SFT (ALFWorld): add K copies of every demonstration with its object and receptacle classes "
-                        "renamed at random, consistently (envs.alfworld_names), so names must be read from the "
+                        "renamed at random, consistently (jaxopd_envs.alfworld_names), so names must be read from the "
                         "prompt, not guessed from the room (default 0)")
     p.add_argument("--sft-take-copies", type=int, default=None, metavar="K",
                    help="SFT (ALFWorld): then K more renamed copies of the turns whose action is take only (the goal "

@@ -1,5 +1,5 @@
 """The reference paged-attention backends: a pure-jnp gather over the page table, then the dense masked GQA
-softmax of ``kernels.dense``.
+softmax of ``jaxopd_kernels.dense``.
 
 Owns two page layouts behind the ``AttentionBackend`` interface: ``reference``
 (``[num_pages, page_size, kv_heads, head_dim]``, the executor's layout so far) and ``reference-hnd``
@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kernels.dense import grouped_attention
+from jaxopd_kernels.dense import grouped_attention
 
 
 def write_kv_pages(pages: jax.Array, values: jax.Array, page_ids: jax.Array, offsets: jax.Array) -> jax.Array:

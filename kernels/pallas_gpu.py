@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels.paged_attention_reference import HeadsFirstReferenceBackend
+from jaxopd_kernels.paged_attention_reference import HeadsFirstReferenceBackend
 
 # A finite "minus infinity": masked scores never turn into inf - inf = NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)

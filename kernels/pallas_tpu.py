@@ -28,8 +28,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from kernels.paged_attention_reference import HeadsFirstReferenceBackend
-from kernels.pallas_gpu import write_kv_heads_first
+from jaxopd_kernels.paged_attention_reference import HeadsFirstReferenceBackend
+from jaxopd_kernels.pallas_gpu import write_kv_heads_first
 
 
 def _tpu_interpret_context(interpret: bool):

@@ -12,8 +12,8 @@ import pytest  # noqa: E402
 os.environ.pop("JAXOPD_MALLOC_TUNING", None)    # glibc's defaults in the test session and the commands it starts
 
 try:        # alfworld's import writes $ALFWORLD_DATA; import it once here the way envs does, which undoes that, so that
-    from envs import import_alfworld        # tests' own `pytest.importorskip("alfworld")` cannot leak the variable
-    import_alfworld()
+    from jaxopd_envs.alfworld_import import import_alfworld     # tests' own `importorskip("alfworld")` cannot
+    import_alfworld()                                           # leak the variable
 except ImportError:                         # the [envs] extra is not installed: those tests skip
     pass
 
@@ -84,22 +84,7 @@ def pytest_terminal_summary(terminalreporter):
                                     "(Linux's default vm.max_map_count: 65,530)")
 
 
-def _foreign_kernels_distribution() -> str | None:
-    """The version of an installed distribution named ``kernels`` (Hugging Face's), or None."""
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("kernels")
-    except PackageNotFoundError:
-        return None
-
-
 def pytest_configure(config):
-    foreign = _foreign_kernels_distribution()
-    if foreign is not None:
-        raise pytest.UsageError(
-            f"the distribution `kernels` {foreign} (Hugging Face's, required by transformers >= 5.25) is installed; "
-            "its import name collides with this project's kernels/ package, so transformers' Qwen3 imports ours "
-            "and fails. Install the pinned transformers (pip install -e '.[envs,test]') and `pip uninstall kernels`.")
     config.addinivalue_line("markers", "slow: heavier tests (run in CI; deselect with -m 'not slow')")
 
 

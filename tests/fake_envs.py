@@ -11,7 +11,7 @@ import hashlib
 import os
 import time
 
-from envs.base import Observation, Task, TextEnv
+from jaxopd_envs.base import Observation, Task, TextEnv
 
 
 def fake_task(i: int) -> Task:

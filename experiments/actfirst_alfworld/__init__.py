@@ -23,12 +23,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from experiments.actfirst_alfworld import idealized
-from experiments.actfirst_alfworld.contexts import (ALFWORLD_PROMPT_LIMIT, ContextSet, collect_initial_contexts,
-                                                    load_context_set, save_context_set, tokenize_contexts)
-from experiments.actfirst_alfworld.protocol import (DRIVER, STRATEGIES, CalibratedLatencies, PointResult,
-                                                    TaskContext, Workload, calibrate_latencies, full_kind,
-                                                    make_batches, run_paired_point)
+from . import idealized
+from .contexts import (ALFWORLD_PROMPT_LIMIT, ContextSet, collect_initial_contexts,
+                       load_context_set, save_context_set, tokenize_contexts)
+from .protocol import (DRIVER, STRATEGIES, CalibratedLatencies, PointResult,
+                       TaskContext, Workload, calibrate_latencies, full_kind,
+                       make_batches, run_paired_point)
 from jaxopd import cli
 from jaxopd.machine import machine_info
 
@@ -161,7 +161,7 @@ def departures_from_paper(preset: Preset, *, model_name: str, paper_architecture
                f"{'on' if mixed_steps else 'off'}) instead of vLLM on one A100-SXM4-80GB")
     if contexts_source.get("games") == "generated":
         out.append(f"contexts: ALFWorld-format training games generated from the alfworld wheel's floor plans "
-                   f"(envs.alfworld_gen; {contexts_source.get('pool_size', '?')} train games, "
+                   f"(jaxopd_envs.alfworld_gen; {contexts_source.get('pool_size', '?')} train games, "
                    f"{contexts_source.get('distinct_tasks', '?')} distinct among the sampled), "
                    "not the official ALFWorld train split (3,553 tasks)")
     return out
@@ -173,7 +173,7 @@ def load_contexts(n: int, *, source: str = "auto", contexts_file: str | None = N
 
     ``auto``: the official games when ``$ALFWORLD_DATA`` holds them; else the committed snapshot (sampled
     with seed 42 from the generated training games) when it holds ``n`` contexts; else the generated games
-    themselves (``envs.alfworld_gen`` generates them on first use, which takes long on a small machine).
+    themselves (``jaxopd_envs.alfworld_gen`` generates them on first use, which takes long on a small machine).
     """
     if source not in CONTEXT_SOURCES:
         raise ValueError(f"contexts source must be one of {CONTEXT_SOURCES}, got {source!r}")
@@ -206,7 +206,7 @@ def describe_contexts(context_set: ContextSet, contexts: Sequence[TaskContext]) 
     full = [len(c.full_prompt_ids) for c in contexts]
     fast = [len(c.fast_prompt_ids) for c in contexts]
     games = {"official": "the official ALFWorld train split",
-             "generated": "ALFWorld-format training games generated from the alfworld wheel (envs.alfworld_gen)"}
+             "generated": "ALFWorld-format training games generated from the alfworld wheel (jaxopd_envs.alfworld_gen)"}
     where = f" via snapshot `{Path(src['snapshot']).name}`" if "snapshot" in src else " read from the engine"
     description = (f"{len(contexts)} initial contexts of {games.get(src.get('games'), src.get('games'))}, sampled "
                    f"proportionally across the six task types with seed {src.get('seed')}{where}; prompt tokens "
@@ -295,7 +295,7 @@ def idealized_for_point(point: PointResult, *, preset: Preset, calibration: Cali
 
 def point_to_dict(point: PointResult, *, policy: str, scans: Sequence[str], preset: Preset,
                   ideal: dict[str, Any]) -> dict[str, Any]:
-    from experiments.actfirst_alfworld import report   # not at import: `python -m ...report` runs it
+    from . import report   # not at import: `python -m ...report` runs it
     repeats = []
     for r in point.repeats:
         repeats.append({
@@ -346,7 +346,7 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
     loading and ``tokenizer`` the model's (``load_tokenizer(options.weights)``: the offline Qwen3 one for random
     weights).
     """
-    from experiments.actfirst_alfworld import report   # not at import: `python -m ...report` runs it
+    from . import report   # not at import: `python -m ...report` runs it
     preset = options.preset
     preset.validate()
     log = print if options.progress else (lambda *a, **k: None)
@@ -608,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from experiments.actfirst_alfworld import report   # not at import: `python -m ...report` runs it
+    from . import report   # not at import: `python -m ...report` runs it
     if args.write_contexts_snapshot:
         n = PRESETS["paper"].num_contexts if args.contexts is None else args.contexts
         if n < 1:

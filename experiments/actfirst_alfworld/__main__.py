@@ -2,7 +2,7 @@
 import os
 import sys
 
-from experiments.actfirst_alfworld import main
+from . import main
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

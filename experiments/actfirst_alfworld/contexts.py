@@ -17,8 +17,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from envs.alfworld import TASK_TYPES as ALFWORLD_TASK_TYPES  # stdlib-only import: no alfworld needed
-from experiments.actfirst_alfworld.protocol import TaskContext
+from jaxopd_envs.alfworld import TASK_TYPES as ALFWORLD_TASK_TYPES  # stdlib-only import: no alfworld needed
+from .protocol import TaskContext
 
 ALFWORLD_PROMPT_LIMIT = 10_240      # ActFirst paper's ALFWorld prompt limit (App. C, Table 6)
 FULL_MODE = "full"                  # think-then-act prompt of full responses
@@ -111,8 +111,8 @@ def collect_initial_contexts(n: int, *, seed: int = 42, split: str = "train",
                              game_root: str | os.PathLike | None = None) -> ContextSet:
     """Sample ``n`` tasks of ``split`` proportionally across task types and read their initial contexts from
     the real ALFWorld engine (official games under ``$ALFWORLD_DATA`` or ``game_root``, else the generated
-    ones of ``envs.alfworld_gen``, generated on first use)."""
-    from envs.alfworld import AlfWorldEnv   # needs the alfworld package
+    ones of ``jaxopd_envs.alfworld_gen``, generated on first use)."""
+    from jaxopd_envs.alfworld import AlfWorldEnv   # needs the alfworld package
 
     env = AlfWorldEnv(game_root)
     try:

@@ -3,7 +3,7 @@ the rollout strategies that training runs.
 
 Owns the fixed-context environment (``FixedContextEnv``: every step returns the task's initial context), the
 batch driver (``run_batch``: one batch of tasks for T virtual turns, played by ``jaxopd.rollout.strategies``'
-``vanilla`` and ``actfirst`` strategies over an ``envs.pool.EnvPool`` of fixed contexts), the check of a
+``vanilla`` and ``actfirst`` strategies over a ``jaxopd_envs.pool.EnvPool`` of fixed contexts), the check of a
 batch's recorded engine events against the protocol (``check_schedule``), the single-request latency
 calibration (``calibrate_latencies``) and paired, order-alternated repeats over batches (``run_paired_point``).
 It works with any ``jaxopd.sampler.EngineProtocol`` (``submit`` → future, ``max_concurrency``, ``wait_idle``,
@@ -45,8 +45,8 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 
 import numpy as np
 
-from envs.base import Observation, Task, TextEnv
-from envs.pool import EnvPool
+from jaxopd_envs.base import Observation, Task, TextEnv
+from jaxopd_envs.pool import EnvPool
 from jaxopd.rollout.strategies import ActFirstStrategy, RolloutConfig, RolloutStrategy, VanillaStrategy, actfirst_config
 from jaxopd.rollout.strategies import request_seed as rollout_request_seed
 from jaxopd.rollout.thinking import ThinkingBudget
@@ -57,8 +57,9 @@ STRATEGIES: tuple[str, ...] = ("vanilla", "actfirst")
 KINDS: tuple[str, ...] = ("fast", "full")
 DEFAULT_BATCH_TIMEOUT_S = 3 * 3600.0
 DRIVER = ("jaxopd.rollout.strategies: VanillaStrategy and ActFirstStrategy (no-id: fast actions by next-action "
-          "prediction) with RolloutConfig.fixed_output_lengths, RolloutStrategy.collect over an envs.pool.EnvPool "
-          "of FixedContextEnv (one host thread per episode; environments in the pool's threads)")
+          "prediction) with RolloutConfig.fixed_output_lengths, RolloutStrategy.collect over a "
+          "jaxopd_envs.pool.EnvPool of FixedContextEnv (one host thread per episode; environments in the pool's "
+          "threads)")
 """What plays the batches, in words (``results.json`` records it)."""
 
 

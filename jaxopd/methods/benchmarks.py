@@ -3,7 +3,7 @@ and reference trajectories.
 
 Owns the mapping from a benchmark name (``alfworld``, ``scienceworld``) and a game source (ALFWorld: the
 official games under ``$ALFWORLD_DATA`` or games generated from the alfworld wheel's floor plans,
-``envs.alfworld_gen``) to a picklable environment factory, the train / evaluation split names, deterministic
+``jaxopd_envs.alfworld_gen``) to a picklable environment factory, the train / evaluation split names, deterministic
 task subsets, and the cached reference trajectories (walkthroughs / gold paths) that ActFirst-OPD's guidance and
 the teacher's supervised fine-tuning read. Nothing here downloads.
 """
@@ -16,11 +16,11 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from envs import alfworld_gen
-from envs.base import Task, TextEnv
+from jaxopd_envs import alfworld_gen
+from jaxopd_envs.base import Task, TextEnv
 
 if TYPE_CHECKING:
-    from envs.references import LazyReferences
+    from jaxopd_envs.references import LazyReferences
 
 BENCHMARKS = ("alfworld", "scienceworld")
 GAME_SOURCES = ("auto", "generated", "official")
@@ -35,9 +35,9 @@ class BenchmarkError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class GeneratedCounts:
-    """How many ALFWorld games to generate per split (``envs.alfworld_gen``) and the generator seed; the defaults
-    are ``envs.alfworld_gen.TRAINING_COUNTS`` (``python -m envs.alfworld_gen --counts training`` makes the same
-    tree)."""
+    """How many ALFWorld games to generate per split (``jaxopd_envs.alfworld_gen``) and the generator seed; the defaults
+    are ``jaxopd_envs.alfworld_gen.TRAINING_COUNTS`` (``python -m jaxopd_envs.alfworld_gen --counts training`` makes the
+    same tree)."""
 
     train: int = alfworld_gen.TRAINING_COUNTS["train"]
     valid_seen: int = alfworld_gen.TRAINING_COUNTS["valid_seen"]
@@ -63,8 +63,8 @@ class BenchmarkSource:
             return "ScienceWorld 1.2.3 (the scienceworld wheel's tasks, simplification 'easy')"
         if self.games == "official":
             return f"the official ALFWorld games under {self.root}"
-        return (f"ALFWorld-format games generated from the alfworld wheel's floor plans (envs.alfworld_gen) under "
-                f"{self.root}; not the official ALFWorld splits")
+        return (f"ALFWorld-format games generated from the alfworld wheel's floor plans (jaxopd_envs.alfworld_gen) "
+                f"under {self.root}; not the official ALFWorld splits")
 
     def tasks(self, split: str) -> list[Task]:
         env = self.env_factory()
@@ -74,7 +74,7 @@ class BenchmarkSource:
             env.close()
 
     def reference_cache_of(self, kind: str) -> Path:
-        """Where this source's references of ``kind`` (``envs.references.REFERENCE_KINDS``) are cached: beside
+        """Where this source's references of ``kind`` (``jaxopd_envs.references.REFERENCE_KINDS``) are cached: beside
         the generated games, or under the jaxopd cache."""
         prefix = "references" if kind == "solution" else f"{kind.replace('_', '-')}-references"
         if self.root is not None and self.games == "generated":
@@ -108,12 +108,12 @@ def resolve_source(benchmark: str, games: str = "auto", *, counts: GeneratedCoun
     if games not in GAME_SOURCES:
         raise BenchmarkError(f"unknown game source {games!r}; expected one of {GAME_SOURCES}")
     if benchmark == "scienceworld":
-        from envs.scienceworld import ScienceWorldEnv
+        from jaxopd_envs.scienceworld import ScienceWorldEnv
         return BenchmarkSource("scienceworld", None, "scienceworld", ScienceWorldEnv)
-    from envs.alfworld import AlfWorldEnv
+    from jaxopd_envs.alfworld import AlfWorldEnv
     root = official_games_root(games)
     if root is not None:
-        from envs.alfworld import data_dir_of
+        from jaxopd_envs.alfworld import data_dir_of
         data = os.environ.get(ALFWORLD_DATA_ENV)
         if not any(data_dir_of(root).glob("*/")):
             raise BenchmarkError(f"${ALFWORLD_DATA_ENV}={data!r} holds no ALFWorld split folders")
@@ -136,11 +136,11 @@ def subset(tasks: Sequence[Task], limit: int | None, *, seed: int = 0) -> list[T
 def references_for(source: BenchmarkSource, tasks: Sequence[Task], *, workers: int = 1, progress: bool = True,
                    kind: str = "solution", expert_max_turns: int | None = None,
                    failures: dict[str, str] | None = None) -> Mapping[str, Any]:
-    """The validated reference of every task (``envs.references.build_references``, cached).
+    """The validated reference of every task (``jaxopd_envs.references.build_references``, cached).
 
     ``kind="searching_expert"``: the expert's won episodes only; the tasks it did not win are left out and, when
     ``failures`` is given, listed there with the reason."""
-    from envs.references import build_references
+    from jaxopd_envs.references import build_references
     return build_references(source.env_factory, tasks, source.reference_cache_of(kind), workers=workers,
                             progress=progress, kind=kind, expert_max_turns=expert_max_turns,
                             allow_failures=kind == "searching_expert", failures=failures)
@@ -148,9 +148,9 @@ def references_for(source: BenchmarkSource, tasks: Sequence[Task], *, workers: i
 
 def lazy_references_for(source: BenchmarkSource, tasks: Sequence[Task], *,
                         kind: str = "solution") -> LazyReferences:
-    """The references of ``tasks`` as ``envs.references.LazyReferences``: each built (or read from the same cache
+    """The references of ``tasks`` as ``jaxopd_envs.references.LazyReferences``: each built (or read from the same cache
     as ``references_for``) when a run first draws its task, instead of all of them before the first update."""
-    from envs.references import LazyReferences
+    from jaxopd_envs.references import LazyReferences
     return LazyReferences(source.env_factory, tasks, source.reference_cache_of(kind), kind=kind)
 
 

@@ -45,9 +45,9 @@ give at the agent's location when there is one, ``jaxopd.methods.sft_data.task_l
 ``jaxopd.methods.sft_data.task_tool_act_here_text``) or ``task-tool-refused-act-here`` (that, with the last command
 said after the instruction when the engine refused it, ``jaxopd.methods.sft_data.task_tool_refused_act_here_text``)."""
 SFT_DEMONSTRATIONS = {"walkthrough": "solution", "searching-expert": "searching_expert"}
-"""What SFT imitates, each with the ``envs.references`` kind of its references: the planner's walkthrough (it knows
-where everything lies; ScienceWorld's gold path), or ALFWorld's searching expert (``envs.alfworld_expert``: it looks
-for objects from what it has seen, as an agent on an unseen game must)."""
+"""What SFT imitates, each with the ``jaxopd_envs.references`` kind of its references: the planner's walkthrough (it
+knows where everything lies; ScienceWorld's gold path), or ALFWorld's searching expert (``jaxopd_envs.alfworld_expert``:
+it looks for objects from what it has seen, as an agent on an unseen game must)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +156,7 @@ class RunConfig:
     sft_demonstrations: str = "walkthrough"
     sft_context_weight: float = 0.0          # > 0: a language-model term on the prompt tokens too (sft.train_sft)
     sft_thinking: str = "none"               # SFT_THINKING: SFT's answers, and distillation's held-out answers
-    sft_renamed_copies: int = 0              # copies of each demonstration, classes renamed (envs.alfworld_names)
+    sft_renamed_copies: int = 0              # copies of a demonstration, classes renamed (jaxopd_envs.alfworld_names)
     sft_take_copies: int = 0                 # more renamed copies of the turns whose action is ``take`` only
     sft_arrival_copies: int = 0              # ... and of the turns after a ``go to`` or ``open`` (sft_data.FOCUS_TURNS)
     sft_change_copies: int = 0               # ... and of the turns holding the goal object still to change
@@ -473,7 +473,7 @@ def check_task_source(config: RunConfig, *, evaluate: bool = True) -> None:
 
     splits = [TRAIN_SPLIT[config.benchmark]] + ([config.resolved_eval_split] if evaluate else [])
     if config.benchmark == "scienceworld":
-        from envs.scienceworld import scienceworld_split
+        from jaxopd_envs.scienceworld import scienceworld_split
         available = len(scienceworld_split("train"))
         where = "ScienceWorld"
     else:
@@ -485,7 +485,7 @@ def check_task_source(config: RunConfig, *, evaluate: bool = True) -> None:
                                  "(generated_train_games)")
             return
         data = os.environ[ALFWORLD_DATA_ENV]
-        from envs.alfworld import data_dir_of, discover_games
+        from jaxopd_envs.alfworld import data_dir_of, discover_games
         counts = {}
         for split in dict.fromkeys(splits):
             try:

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from envs.alfworld_state import without_restated_instruction
+from jaxopd_envs.alfworld_state import without_restated_instruction
 from jaxopd.methods.divergence import supervised_log_softmax
 from jaxopd.methods.sft_data import listing_said, says_in_view, tool_said
 from jaxopd.methods.transcripts import thinking_of
@@ -168,7 +168,7 @@ def score_free_answers(samples: Sequence[Sample], answers: Sequence[str], tokeni
     parsable action); ``thinking_exact`` (the answer's thinking block equals the demonstration's, over the turns
     whose demonstration thinks); and with goal objects ``thinking_names_goal``: the share of answers whose thinking
     names the goal-object class (over the turns whose demonstrated thinking names it), a restated instruction not
-    counted (``envs.alfworld_state.without_restated_instruction``); ``goal_in_view_said``: the share of the turns
+    counted (``jaxopd_envs.alfworld_state.without_restated_instruction``); ``goal_in_view_said``: the share of the turns
     whose demonstration says the goal object is in view ("I see apple 4 here.", ``sft_data.says_in_view``) where the
     answer says so too (``goal_in_view_turns`` of them), and ``goal_in_view_claimed``: the share of the other turns
     where the answer says so all the same (the agent perceiving a goal object that is not there); ``listing_copied``:

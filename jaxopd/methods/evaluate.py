@@ -21,7 +21,7 @@ App. C.4, Table 7):
 - ALFWorld: 140 ``valid_seen`` and 134 ``valid_unseen`` tasks, evaluated separately; "task-type and overall
   results pool the seen and unseen tasks" (Table 1's All column); ScienceWorld: the 150-task ``eval`` split;
 - metrics (App. C.1): success rate (SR, a percentage; success = the goal within the turn limit; ScienceWorld:
-  score >= 99.999, which is ``envs.scienceworld``'s ``won``), Round = interaction turns averaged over successful
+  score >= 99.999, which is ``jaxopd_envs.scienceworld``'s ``won``), Round = interaction turns averaged over successful
   *and* failed episodes, invalid attempts included (a failed ALFWorld episode counts 30), and ScienceWorld's score,
   the highest score reached in the episode clipped to [0, 100].
 
@@ -43,7 +43,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from envs.base import Task
+from jaxopd_envs.base import Task
 from jaxopd.rollout.prompts import executed_actions_and_answers
 from jaxopd.rollout.strategies.base import Episode, RolloutConfig
 from jaxopd.rollout.strategies.vanilla import VanillaStrategy
@@ -254,7 +254,7 @@ def evaluate_policy(engine: Any, source_or_pool: Any, tokenizer: Any, tasks: Seq
     split = split or "+".join(dict.fromkeys(t.split for t in tasks))
     temperature = 0.0 if greedy else rollout_config.temperature
 
-    from envs.pool import EnvPool
+    from jaxopd_envs.pool import EnvPool
     own_pool = not isinstance(source_or_pool, EnvPool)
     if own_pool:
         factory = getattr(source_or_pool, "env_factory", source_or_pool)

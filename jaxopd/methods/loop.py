@@ -8,7 +8,7 @@ fresh samples, fills the teacher's log-probabilities on the teacher mesh, runs t
 trainer mesh, and syncs the new weights to the rollout engine after every update (responses record the
 version they were sampled with). ActionOPD instead collects ``collection_tasks`` task starts with one
 behaviour snapshot and trains one epoch of minibatches over them (its App. A.4). ActFirst-OPD's reference
-trajectories are built as the run first draws their tasks (``envs.references.LazyReferences``, cached across
+trajectories are built as the run first draws their tasks (``jaxopd_envs.references.LazyReferences``, cached across
 runs), not all before the first update; a task whose reference cannot be built fails its episode only.
 
 Checkpoints (orbax: train state + buffer + cursor) are written every ``checkpoint_every`` updates at the moment
@@ -33,8 +33,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from envs.base import Task
-from envs.references import LazyReferences, ReferenceBuildError
+from jaxopd_envs.base import Task
+from jaxopd_envs.references import LazyReferences, ReferenceBuildError
 from jaxopd.methods import registry
 from jaxopd.methods.base import Method, RolloutResources
 from jaxopd.methods.benchmarks import TRAIN_SPLIT, BenchmarkSource, lazy_references_for, subset
@@ -332,7 +332,7 @@ class Trainer:
         if method.needs_references and self.references is None:   # built as the run draws their tasks
             self.references = lazy_references_for(self.source, self.tasks)
 
-        from envs.pool import EnvPool
+        from jaxopd_envs.pool import EnvPool
         engine = Engine(self.student, engine_config_for(config, method), tokenizer=self.tokenizer,
                         policy_version=version)
         teacher_engine = None

@@ -21,9 +21,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from envs.alfworld_names import random_renaming, rename_reference
-from envs.base import Task
-from envs.references import ReferenceTrajectory
+from jaxopd_envs.alfworld_names import random_renaming, rename_reference
+from jaxopd_envs.base import Task
+from jaxopd_envs.references import ReferenceTrajectory
 from jaxopd.methods.benchmarks import TRAIN_SPLIT, BenchmarkSource, references_for, subset
 from jaxopd.methods.config import SFT_DEMONSTRATIONS, RunConfig
 from jaxopd.methods.loop import batch_length
@@ -59,11 +59,11 @@ def sft_corpus(config: RunConfig, source: BenchmarkSource, tokenizer: Any, *, pr
                ) -> SFTCorpus:
     """The demonstration turns of ``config`` (a ``RunConfig``): its seeded subset of the benchmark's training games
     (``train_tasks``), demonstrated by ``sft_demonstrations`` (the searching expert within ``max_turns``), each
-    joined by ``sft_renamed_copies`` copies with its classes renamed at random (``envs.alfworld_names``), rendered
-    with ``sft_thinking`` under ``max_prompt_tokens``; then ``sft_take_copies`` more renamed copies of the turns whose
-    action is ``take`` only, and ``sft_arrival_copies`` of the turns after a ``go to`` or ``open``, each renamed afresh
-    (``sft_data.FOCUS_TURNS``: the turns where the answer says whether the goal object is in view, which a
-    free-running teacher got wrong), ``sft_change_copies`` of the turns holding the goal object
+    joined by ``sft_renamed_copies`` copies with its classes renamed at random (``jaxopd_envs.alfworld_names``),
+    rendered with ``sft_thinking`` under ``max_prompt_tokens``; then ``sft_take_copies`` more renamed copies of the
+    turns whose action is ``take`` only, and ``sft_arrival_copies`` of the turns after a ``go to`` or ``open``, each
+    renamed afresh (``sft_data.FOCUS_TURNS``: the turns where the answer says whether the goal object is in view, which
+    a free-running teacher got wrong), ``sft_change_copies`` of the turns holding the goal object
     still to clean, heat or cool (``FOCUS_TURNS["change"]``); then ``sft_refused_copies`` renamed copies of the turns
     after one more, refused, command (``sft_data.refused_turn``: the same step after "Nothing happens."), and
     ``sft_missing_copies`` of the turns after a refused ``go to`` a receptacle the room lacks

@@ -1,6 +1,6 @@
 """Supervised fine-tuning data: demonstrations as turn-level training samples for a teacher.
 
-A demonstration is a validated ``envs.references.ReferenceTrajectory``: the planner's walkthrough, or ALFWorld's
+A demonstration is a validated ``jaxopd_envs.references.ReferenceTrajectory``: the planner's walkthrough, or ALFWorld's
 searching expert's won episode (``config.SFT_DEMONSTRATIONS`` maps ``RunConfig.sft_demonstrations`` to the kind).
 The functions below say "walkthrough" for either.
 
@@ -27,9 +27,9 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from envs.alfworld import REFUSED_FEEDBACK
-from envs.alfworld_state import TaskState, parse_goal, task_state
-from envs.references import ReferenceTrajectory
+from jaxopd_envs.alfworld import REFUSED_FEEDBACK
+from jaxopd_envs.alfworld_state import TaskState, parse_goal, task_state
+from jaxopd_envs.references import ReferenceTrajectory
 from jaxopd.methods.config import SFT_THINKING
 from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, executed_actions_and_answers, render_prompt
 from jaxopd.rollout.tags import ACTION_END, ACTION_FORMATS, ACTION_START, THINK_END, THINK_START
@@ -100,7 +100,7 @@ def _check_action(action: str, caller: str) -> None:
 def state_thinking(inputs: PromptInputs) -> str:
     """A short reasoning over what the prompt shows, for ALFWorld demonstrations (``--sft-thinking state``).
 
-    Read by ``envs.alfworld_state`` from the instruction, the executed actions with the engine's answers (the
+    Read by ``jaxopd_envs.alfworld_state`` from the instruction, the executed actions with the engine's answers (the
     full history h_t) and the current observation: the goal object held (and whether it is already clean, hot or
     cool), or the object still needed and the first one in view; for two-object tasks how many are in place; for
     look tasks the lamp in view once the object is held. E.g. ``"I need a apple. I see apple 4 here."``. It is
@@ -111,7 +111,7 @@ def state_thinking(inputs: PromptInputs) -> str:
 
 
 def state_text(state: TaskState) -> str:
-    """:func:`state_thinking`'s words for a ``TaskState`` (``envs.alfworld_state.task_state``)."""
+    """:func:`state_thinking`'s words for a ``TaskState`` (``jaxopd_envs.alfworld_state.task_state``)."""
     goal = state.goal
     parts = []
     if goal.count > 1 and state.placed:
@@ -163,7 +163,7 @@ def plan_text(state: TaskState) -> str:
 
     What the task still asks of that state, in the instruction's and the commands' words: holding an object that
     must be cleaned, heated or cooled, the command and receptacle class that do it (``"I hold apple 4. I must cool
-    it with a fridge."``, ``envs.alfworld_state.CHANGE_TOOLS``); once it is changed (or when the task changes
+    it with a fridge."``, ``jaxopd_envs.alfworld_state.CHANGE_TOOLS``); once it is changed (or when the task changes
     nothing), the receptacle class it goes in (``"I hold apple 4, now cool. It goes in garbagecan."``); in a look
     task, the lamp to find (``"I hold cd 1. I need a desklamp."``). A two-object task counts its placed objects
     from the first turn (``"0 of 2 placed."``), so a count never appears in a one-object task's thinking. The
@@ -260,7 +260,7 @@ def _task_text(state: TaskState, *, listing: bool, tool_sentence: bool = True) -
     goal = state.goal
     if not goal.instruction:
         raise ValueError("task-plan-here thinking restates the instruction, and this goal has none "
-                         "(read it with envs.alfworld_state.parse_goal, not goal_of_task_id)")
+                         "(read it with jaxopd_envs.alfworld_state.parse_goal, not goal_of_task_id)")
     text = goal.instruction
     if listing and state.listed is not None:
         text += " " + listing_sentence(state.listed)
@@ -326,8 +326,9 @@ def task_list_act_here_text(state: TaskState) -> str:
 
 
 def tool_sentence(goal) -> str | None:
-    """The sentence that names a change task's command verb and tool class (``envs.alfworld_state.CHANGE_TOOLS``):
-    ``"Tool: heat it with a microwave."``; None for a task that changes nothing."""
+    """The sentence that names a change task's command verb and tool class
+    (``jaxopd_envs.alfworld_state.CHANGE_TOOLS``): ``"Tool: heat it with a microwave."``; None for a task that changes
+    nothing."""
     if goal.tool is None:
         return None
     verb, tool = goal.tool
@@ -422,7 +423,7 @@ def _benchmark_of(reference: ReferenceTrajectory, benchmark: str | None) -> str:
         raise ValueError(f"reference {reference.task_id} is a {stored} reference, not {benchmark}")
     resolved = stored or benchmark or "alfworld"
     if resolved != "alfworld":
-        # ScienceWorld references keep no admissible actions nor objects (envs.references._STORE_ADMISSIBLE),
+        # ScienceWorld references keep no admissible actions nor objects (jaxopd_envs.references._STORE_ADMISSIBLE),
         # so the prompt of the live state cannot be rebuilt from them.
         raise ValueError(f"walkthrough prompts need the stored admissible actions of each state, which only "
                          f"ALFWorld references keep; reference {reference.task_id} is {resolved}")

@@ -18,16 +18,16 @@ of the rounds whose thinking names an object in view, those where that observati
 (``sft_data.listing_sentence``, the ``task-list-*`` and ``task-tool-*`` rules), those whose thinking's first
 listing is that very sentence (``listing_right``, read by ``sft_data.listing_said`` as ``demo_fit`` reads it).
 Everything is read from text the agent was shown; the goal comes from the record's instruction, or from the task id
-(``envs.alfworld_state.goal_of_task_id``) in records written before they kept it (``task-plan-here`` fidelity needs
-the instruction).
+(``jaxopd_envs.alfworld_state.goal_of_task_id``) in records written before they kept it (``task-plan-here`` fidelity
+needs the instruction).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from envs.alfworld_state import (Goal, goal_of_task_id, objects_in_view, parse_goal, task_state,
-                                  without_restated_instruction)
-from envs.alfworld import REFUSED_FEEDBACK
+from jaxopd_envs.alfworld_state import (Goal, goal_of_task_id, objects_in_view, parse_goal, task_state,
+                                        without_restated_instruction)
+from jaxopd_envs.alfworld import REFUSED_FEEDBACK
 from jaxopd.methods.sft_data import (THINKING_RULES, change_said, command_said, listing_said, listing_sentence,
                                      named_in_view)
 from jaxopd.rollout.tags import THINK_END, THINK_START
@@ -35,7 +35,7 @@ from jaxopd.rollout.tags import THINK_END, THINK_START
 __all__ = ["REFUSED", "STUCK_RUN", "thinking_of", "refused_runs", "episode_progress", "transcript_counts"]
 
 REFUSED = REFUSED_FEEDBACK
-"""The engine's answer to a command it does not execute (``envs.alfworld.REFUSED_FEEDBACK``)."""
+"""The engine's answer to a command it does not execute (``jaxopd_envs.alfworld.REFUSED_FEEDBACK``)."""
 
 STUCK_RUN = 5
 """An episode is *stuck* when it gives one refused command this many times in a row (2026-11: the one-sft

@@ -6,7 +6,7 @@ code path. Owns the architecture (config presets, blocks, RoPE, RMSNorm, GQA att
 untied head) and one forward pass whose attention step is a pluggable function: the dense causal attention in
 this file serves training and scoring, and the sampler passes a paged-cache attention that writes the
 layer's keys/values into its pages. The model itself knows nothing of caches or sampling; the masked GQA
-softmax is ``kernels.dense.grouped_attention``, shared with the paged backends.
+softmax is ``jaxopd_kernels.dense.grouped_attention``, shared with the paged backends.
 
 Parameters carry logical axis names in their ``axes`` metadata (``('embed', 'q_heads', 'head_dim')``, ...);
 ``jaxopd.models.sharding`` maps them onto a mesh.
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxopd.tokenizer import TOKEN_MAP_KEY
-from kernels.dense import grouped_attention
+from jaxopd_kernels.dense import grouped_attention
 
 Array = jax.Array
 
@@ -344,7 +344,7 @@ class DecoderLayer(nnx.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Dense attention (training, scoring, reference): kernels.dense.grouped_attention over the sequence itself
+# Dense attention (training, scoring, reference): jaxopd_kernels.dense.grouped_attention over the sequence itself
 # ----------------------------------------------------------------------------------------------------------
 def dense_causal_attend(positions: Array, attention_mask: Array) -> AttendFn:
     """Causal attention over the sequence itself: token i sees token j iff j is real and pos_j <= pos_i."""

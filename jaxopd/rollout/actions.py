@@ -1,14 +1,14 @@
 """Action strings of the agent protocol: extracting the action from a response, matching two actions, and
 ActionOPD's action-agreement rewards computed from them on the host (Eq. 5-6).
 
-Text is compared after the project's one normaliser, :func:`envs.text.normalize_text`; the array form of
+Text is compared after the project's one normaliser, :func:`jaxopd_envs.text.normalize_text`; the array form of
 the reward, r_λ from match counts, is :func:`jaxopd.losses.action_agreement_reward`.
 """
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from envs.text import normalize_text
+from jaxopd_envs.text import normalize_text
 from jaxopd.rollout.tags import ACTION_END, ACTION_START, THINK_END, THINK_START
 
 __all__ = ["extract_action", "actions_match", "action_match_count", "action_agreement_rewards"]

@@ -2,14 +2,14 @@
 yield per 100 transitions, and mean executed turns.
 
 Pure functions over trajectory records; nothing here touches an environment or a model. Text is compared
-after the project's one normaliser, :func:`envs.text.normalize_text`.
+after the project's one normaliser, :func:`jaxopd_envs.text.normalize_text`.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Hashable, Iterable, Sequence
 
-from envs.text import normalize_text  # App. C.5: "Unicode NFKC, case folding, and whitespace normalization"
+from jaxopd_envs.text import normalize_text  # App. C.5: "Unicode NFKC, case folding, and whitespace normalization"
 
 __all__ = [
     "StepRecord",

@@ -16,9 +16,9 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from envs.base import Observation, Task
-from envs.checks import TransitionCheck, normalize_observation
-from envs.text import normalize_text
+from jaxopd_envs.base import Observation, Task
+from jaxopd_envs.checks import TransitionCheck, normalize_observation
+from jaxopd_envs.text import normalize_text
 from jaxopd.rollout import metrics
 from jaxopd.rollout.actions import extract_action
 from jaxopd.rollout.prompts import GENERATION_MODES

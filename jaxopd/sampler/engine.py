@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-import kernels
+from jaxopd_kernels import registry as kernels
 from jaxopd.models.decoder import CausalLM
 from jaxopd.sampler.allocator import OutOfPages
 from jaxopd.sampler.buckets import Buckets

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import kernels
+from jaxopd_kernels import registry as kernels
 from jaxopd.models.logprobs import token_log_probs
 from jaxopd.models.decoder import CausalLM, rope_cos_sin
 from jaxopd.sampler.allocator import NULL_PAGE

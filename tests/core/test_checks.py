@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from envs.base import Observation
-from envs.checks import (
+from jaxopd_envs.base import Observation
+from jaxopd_envs.checks import (
     TransitionSide,
     check_alfworld_transition,
     check_scienceworld_transition,

@@ -18,11 +18,11 @@ import pytest
 pytest.importorskip("alfworld")
 pytest.importorskip("textworld")
 
-from envs import alfworld as alf  # noqa: E402
-from envs import alfworld_engine as engine_module  # noqa: E402
-from envs import alfworld_gen as gen  # noqa: E402
-from envs.base import EnvError, Task  # noqa: E402
-from envs.pool import EnvPool  # noqa: E402
+from jaxopd_envs import alfworld as alf  # noqa: E402
+from jaxopd_envs import alfworld_engine as engine_module  # noqa: E402
+from jaxopd_envs import alfworld_gen as gen  # noqa: E402
+from jaxopd_envs.base import EnvError, Task  # noqa: E402
+from jaxopd_envs.pool import EnvPool  # noqa: E402
 
 pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 
@@ -197,16 +197,16 @@ def test_failed_reset_ends_the_previous_episode(env, tmp_path):
 
 
 def _envs_imports(module_file: Path) -> set[str]:
-    """Every ``envs.*`` module a file imports, at any depth (function-level imports included)."""
+    """Every ``jaxopd_envs.*`` module a file imports, at any depth (function-level imports included)."""
     names = set()
     for node in ast.walk(ast.parse(module_file.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "envs":
-                names |= {f"envs.{alias.name}" for alias in node.names}
-            elif node.module.startswith("envs."):
+            if node.module == "jaxopd_envs":
+                names |= {f"jaxopd_envs.{alias.name}" for alias in node.names}
+            elif node.module.startswith("jaxopd_envs."):
                 names.add(node.module)
         elif isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names if alias.name.startswith("envs.")}
+            names |= {alias.name for alias in node.names if alias.name.startswith("jaxopd_envs.")}
     return names
 
 
@@ -216,15 +216,15 @@ def test_the_engine_module_breaks_the_import_circle():
     engine = _envs_imports(envs_dir / "alfworld_engine.py")
     generator = _envs_imports(envs_dir / "alfworld_gen.py")
     environment = _envs_imports(envs_dir / "alfworld.py")
-    assert "envs.alfworld" not in engine | generator and "envs.alfworld_gen" not in engine
-    assert "envs.alfworld_engine" in generator and "envs.alfworld_engine" in environment
+    assert "jaxopd_envs.alfworld" not in engine | generator and "jaxopd_envs.alfworld_gen" not in engine
+    assert "jaxopd_envs.alfworld_engine" in generator and "jaxopd_envs.alfworld_engine" in environment
     assert alf.AlfredEngine is engine_module.AlfredEngine and alf.TASK_TYPES is engine_module.TASK_TYPES
     assert gen.AlfredEngine is engine_module.AlfredEngine
     # experiments/ reads TASK_TYPES without the alfworld package: no alfworld, textworld or planner import
     script = ("import sys\n"
               "for name in ('alfworld', 'textworld', 'fast_downward', 'tatsu'): sys.modules[name] = None\n"
-              "import envs.alfworld, envs.alfworld_engine\n"
-              "print(len(envs.alfworld.TASK_TYPES))")
+              "import jaxopd_envs.alfworld, jaxopd_envs.alfworld_engine\n"
+              "print(len(jaxopd_envs.alfworld.TASK_TYPES))")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0 and result.stdout.split() == ["6"], result.stderr[-2000:]
@@ -370,7 +370,7 @@ def test_same_seed_gives_byte_identical_games(small_games_root, tmp_path):
     first two train games (a game slot does not depend on how many games follow it)."""
     out = tmp_path / "again"
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-m", "envs.alfworld_gen", "--out", str(out), "--num", "2",
+    result = subprocess.run([sys.executable, "-m", "jaxopd_envs.alfworld_gen", "--out", str(out), "--num", "2",
                              "--num-valid-seen", "0", "--num-valid-unseen", "0", "--seed", "0", "--workers", "2"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -398,10 +398,10 @@ def test_unseen_games_do_not_depend_on_the_train_count(tmp_path):
 
 
 def test_cli_counts_training_makes_the_tree_of_generated_train_games(monkeypatch, capsys):
-    """``python -m envs.alfworld_gen --counts training --num N`` asks for the very tree (same counts, same cache
+    """``python -m jaxopd_envs.alfworld_gen --counts training --num N`` asks for the very tree (same counts, same cache
     folder) that ``experiments.train --generated-train-games N`` uses; without --counts it keeps the environment's
     own split sizes (those of the main job's games)."""
-    from experiments.train import training_counts
+    from jaxopd_experiments.train import training_counts
     from jaxopd.methods.benchmarks import GeneratedCounts
     from jaxopd.methods.config import RunConfig
 

@@ -33,13 +33,13 @@ def test_the_wheel_itself_writes_the_variable():
     assert probe("import alfworld", None) != "None"          # the premise: a bare import sets it
 
 
-@pytest.mark.parametrize("call", ["from envs.alfworld_state import _goal_patterns; _goal_patterns()",
-                                  "from envs.alfworld_names import class_vocabularies; class_vocabularies()",
-                                  "from envs import alfworld_gen; alfworld_gen._alfred()"])
+@pytest.mark.parametrize("call", ["from jaxopd_envs.alfworld_state import _goal_patterns; _goal_patterns()",
+                                  "from jaxopd_envs.alfworld_names import class_vocabularies; class_vocabularies()",
+                                  "from jaxopd_envs import alfworld_gen; alfworld_gen._alfred()"])
 def test_envs_leave_an_unset_variable_unset(call):
     assert probe(call, None) == "None"
 
 
 def test_envs_keep_the_users_value(tmp_path):
-    assert probe("from envs.alfworld_state import _goal_patterns; _goal_patterns()", str(tmp_path)) == repr(
+    assert probe("from jaxopd_envs.alfworld_state import _goal_patterns; _goal_patterns()", str(tmp_path)) == repr(
         str(tmp_path))

@@ -1,5 +1,5 @@
-"""The game generator's planner processes exit with their parent: a ``python -m envs.alfworld_gen`` killed outright
-(SIGKILL) leaves no worker burning CPU."""
+"""The game generator's planner processes exit with their parent: a ``python -m jaxopd_envs.alfworld_gen`` killed
+outright (SIGKILL) leaves no worker burning CPU."""
 from __future__ import annotations
 
 import os
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_killed_generator_leaves_no_worker(tmp_path):
     pytest.importorskip("alfworld")
-    process = subprocess.Popen([sys.executable, "-m", "envs.alfworld_gen", "--out", str(tmp_path / "games"),
+    process = subprocess.Popen([sys.executable, "-m", "jaxopd_envs.alfworld_gen", "--out", str(tmp_path / "games"),
                                 "--num", "200", "--num-valid-seen", "0", "--num-valid-unseen", "0", "--workers", "2"],
                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

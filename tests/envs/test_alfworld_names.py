@@ -1,11 +1,11 @@
-"""Consistent class renaming of ALFWorld demonstrations (envs.alfworld_names), on a hand-written cool task."""
+"""Consistent class renaming of ALFWorld demonstrations (jaxopd_envs.alfworld_names), on a hand-written cool task."""
 import pytest
 
 pytest.importorskip("alfworld")
 
-from envs.alfworld_names import (FIXED_CLASSES, class_vocabularies, classes_in_reference, random_renaming,
-                                 rename_reference, rename_text)
-from envs.references import ReferenceObservation, ReferenceTrajectory
+from jaxopd_envs.alfworld_names import (FIXED_CLASSES, class_vocabularies, classes_in_reference, random_renaming,
+                                        rename_reference, rename_text)
+from jaxopd_envs.references import ReferenceObservation, ReferenceTrajectory
 from jaxopd.methods.sft_data import _state_of, task_plan_here_text, walkthrough_turns
 
 OBJECT_CLASSES, RECEPTACLE_CLASSES = class_vocabularies()

@@ -1,10 +1,11 @@
-"""``envs.alfworld_state``: goals parsed with the alfworld wheel's templates, and the task state read from the
+"""``jaxopd_envs.alfworld_state``: goals parsed with the alfworld wheel's templates, and the task state read from the
 executed actions and the engine's answers (hand-written episodes in alfworld 0.4's wording)."""
 from __future__ import annotations
 
 import pytest
 
-from envs.alfworld_state import ALFWORLD_GOAL_TYPES, Goal, objects_in_view, objects_listed, parse_goal, task_state
+from jaxopd_envs.alfworld_state import (ALFWORLD_GOAL_TYPES, Goal, objects_in_view, objects_listed, parse_goal,
+                                        task_state)
 
 pytest.importorskip("alfworld")
 

@@ -1,8 +1,8 @@
-"""envs.base: the one spelling of int, bool and text arguments, and the typed Observation record."""
+"""jaxopd_envs.base: the one spelling of int, bool and text arguments, and the typed Observation record."""
 import numpy as np
 import pytest
 
-from envs.base import Observation, require_bool, require_int, require_text
+from jaxopd_envs.base import Observation, require_bool, require_int, require_text
 
 
 def test_require_int_takes_ints_and_numpy_integers_only():

@@ -17,8 +17,8 @@ import pytest
 from fake_envs import ScriptedEnv
 from fake_envs import sequential_texts as scripted_texts
 
-from envs.base import EnvError, Observation, Task, TextEnv
-from envs.pool import EngineBusyError, EnvPool, EnvTimeoutError, default_backend
+from jaxopd_envs.base import EnvError, Observation, Task, TextEnv
+from jaxopd_envs.pool import EngineBusyError, EnvPool, EnvTimeoutError, default_backend
 
 
 def fake_task(i: int) -> Task:
@@ -509,8 +509,8 @@ def _wait_until(condition, timeout_s: float = 10.0) -> bool:
 
 
 def test_backend_is_chosen_per_benchmark():
-    from envs.alfworld import AlfWorldEnv
-    from envs.scienceworld import ScienceWorldEnv
+    from jaxopd_envs.alfworld import AlfWorldEnv
+    from jaxopd_envs.scienceworld import ScienceWorldEnv
 
     assert default_backend(functools.partial(AlfWorldEnv, "/games")) == "process"
     assert default_backend(AlfWorldEnv) == "process"

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from envs import references as refs
-from envs.base import Observation, Task, TextEnv
-from envs.checks import check_transition
+from jaxopd_envs import references as refs
+from jaxopd_envs.base import Observation, Task, TextEnv
+from jaxopd_envs.checks import check_transition
 
 pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 
@@ -191,7 +191,7 @@ def test_lazy_references_build_on_first_use_once_and_equal_the_eager_ones(tmp_pa
 
 
 def test_lazy_references_start_a_fresh_environment_after_an_engine_error(tmp_path):
-    from envs.base import EnvError
+    from jaxopd_envs.base import EnvError
 
     class Flaky(ManyToys):
         def reset(self, task):
@@ -214,7 +214,7 @@ def test_lazy_references_start_a_fresh_environment_after_an_engine_error(tmp_pat
 @pytest.fixture(scope="session")
 def small_games_root(tmp_path_factory):
     pytest.importorskip("alfworld")
-    from envs import alfworld_gen
+    from jaxopd_envs import alfworld_gen
 
     return alfworld_gen.ensure_games(tmp_path_factory.getbasetemp() / "alfworld_games", seed=0,
                                      counts=SMALL_COUNTS, workers=1, progress=False)
@@ -222,7 +222,7 @@ def small_games_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def alfworld_references(small_games_root, tmp_path_factory):
-    from envs.alfworld import AlfWorldEnv
+    from jaxopd_envs.alfworld import AlfWorldEnv
 
     cache = tmp_path_factory.mktemp("alfworld_refs")
     with AlfWorldEnv(small_games_root) as env:
@@ -232,7 +232,7 @@ def alfworld_references(small_games_root, tmp_path_factory):
 
 
 def test_alfworld_references_cover_the_six_types_and_replay(alfworld_references, small_games_root):
-    from envs.alfworld import TASK_TYPES, AlfWorldEnv
+    from jaxopd_envs.alfworld import TASK_TYPES, AlfWorldEnv
 
     tasks, built, cache = alfworld_references
     assert set(built) == {t.task_id for t in tasks}
@@ -260,7 +260,7 @@ def test_alfworld_references_cover_the_six_types_and_replay(alfworld_references,
 
 
 def test_alfworld_reference_cache_is_reused_and_invalidated(alfworld_references, small_games_root, tmp_path):
-    from envs.alfworld import AlfWorldEnv
+    from jaxopd_envs.alfworld import AlfWorldEnv
 
     tasks, built, cache = alfworld_references
     factory_calls = []
@@ -303,8 +303,8 @@ def test_searching_expert_searches_from_what_it_sees_and_wins(small_games_root, 
     """ALFWorld's hand-coded expert, with the engine of alfworld 0.4: it wins all six task types within 30 turns
     (the two-object task only with the ``move`` bookkeeping fix), the same seed gives the same episode, and it
     opens by visiting receptacles named in the room's description (it does not know where the object lies)."""
-    from envs.alfworld import AlfWorldEnv
-    from envs.alfworld_expert import play_searching_expert
+    from jaxopd_envs.alfworld import AlfWorldEnv
+    from jaxopd_envs.alfworld_expert import play_searching_expert
 
     with AlfWorldEnv(small_games_root) as env:
         for task in env.tasks("train"):
@@ -323,7 +323,7 @@ def test_searching_expert_searches_from_what_it_sees_and_wins(small_games_root, 
     with pytest.raises(ValueError, match="max_turns"):
         play_searching_expert(task.payload["game_file"], max_turns=0)
     # a fault inside the shipped expert's code loses that episode, with its reason, and raises nothing
-    from envs import import_alfworld
+    from jaxopd_envs.alfworld_import import import_alfworld
     import_alfworld()
     from alfworld.agents.expert import handcoded_expert
 
@@ -338,8 +338,8 @@ def test_searching_expert_searches_from_what_it_sees_and_wins(small_games_root, 
 
 
 def test_searching_expert_references_leave_out_unwon_games_and_cache_why(small_games_root, tmp_path, monkeypatch):
-    from envs import alfworld_expert
-    from envs.alfworld import AlfWorldEnv
+    from jaxopd_envs import alfworld_expert
+    from jaxopd_envs.alfworld import AlfWorldEnv
 
     with AlfWorldEnv(small_games_root) as env:
         tasks = env.tasks("train")
@@ -376,7 +376,7 @@ def test_searching_expert_references_leave_out_unwon_games_and_cache_why(small_g
 
 
 def test_searching_expert_report(small_games_root, tmp_path, capsys):
-    from envs import alfworld_expert_report
+    from jaxopd_envs import alfworld_expert_report
 
     out = tmp_path / "expert.json"
     assert alfworld_expert_report.main(["--games-root", str(small_games_root), "--split", "train", "--max-turns", "20",
@@ -395,7 +395,7 @@ def test_an_expert_action_the_engine_refuses_is_left_out_of_the_reference():
 
     class ExpertToy(ToyEnv):
         def searching_expert_actions(self, task, *, max_turns=None):
-            from envs.alfworld_expert import ExpertEpisode
+            from jaxopd_envs.alfworld_expert import ExpertEpisode
             return ExpertEpisode(("focus on x", "open door", "take x", "put x"), True)
 
     ref = refs.build_reference(ExpertToy(["unused"]), Task("toy", "train", "t", "toy"), kind="searching_expert")
@@ -412,7 +412,7 @@ def scienceworld_references(tmp_path_factory):
     if shutil.which("java") is None:
         pytest.skip("ScienceWorld needs java")
     pytest.importorskip("scienceworld")
-    from envs.scienceworld import ScienceWorldEnv, scienceworld_task
+    from jaxopd_envs.scienceworld import ScienceWorldEnv, scienceworld_task
 
     tasks = [scienceworld_task("boil", 0), scienceworld_task("find-living-thing", 0)]
     cache = tmp_path_factory.mktemp("scienceworld_refs")
@@ -421,7 +421,7 @@ def scienceworld_references(tmp_path_factory):
 
 
 def test_scienceworld_references_are_shortened_and_replay_to_success(scienceworld_references):
-    from envs.scienceworld import ScienceWorldEnv
+    from jaxopd_envs.scienceworld import ScienceWorldEnv
 
     tasks, built, cache = scienceworld_references
     assert refs.load_references(cache, benchmark="scienceworld") == built

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from envs.base import EnvError, Task
-from envs.checks import normalize_scienceworld_observation
-from envs.scienceworld import (
+from jaxopd_envs.base import EnvError, Task
+from jaxopd_envs.checks import normalize_scienceworld_observation
+from jaxopd_envs.scienceworld import (
     SCIENCEWORLD_TRAIN_TASK_TYPES,
     SCIENCEWORLD_VARIATIONS,
     ScienceWorldEnv,
@@ -257,7 +257,7 @@ def test_killed_jvm_is_restarted_and_episode_replayed(sw_env, boil_gold):
 @pytest.mark.slow
 def test_jvm_stops_when_the_interpreter_exits_without_close(tmp_path):
     script = textwrap.dedent("""
-        from envs.scienceworld import ScienceWorldEnv, scienceworld_task
+        from jaxopd_envs.scienceworld import ScienceWorldEnv, scienceworld_task
         env = ScienceWorldEnv()
         env.reset(scienceworld_task("boil", 0))
         print(env.jvm_pid, flush=True)
@@ -276,7 +276,7 @@ def test_jvm_stops_when_the_interpreter_exits_without_close(tmp_path):
 @pytest.mark.slow
 def test_pool_rebuilds_a_killed_scienceworld_env(boil_gold):
     """Through EnvPool, with the env's own restart disabled, so that the pool rebuilds and replays."""
-    from envs.pool import EnvPool
+    from jaxopd_envs.pool import EnvPool
 
     melt_gold = None
     with EnvPool(lambda: ScienceWorldEnv(max_restarts=0), 2, call_timeout_s=120) as pool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments import actfirst_alfworld as job
+from jaxopd_experiments import actfirst_alfworld as job
 
 
 @pytest.fixture(autouse=True)

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from experiments.actfirst_alfworld import report
-from experiments.actfirst_alfworld import (PRESETS, Preset, RunOptions, build_parser, departures_from_paper,
-                                           options_from_args, resolve_preset, run_experiment)
-from experiments.actfirst_alfworld.contexts import ALFWORLD_TASK_TYPES, ContextSet, InitialContext
+from jaxopd_experiments.actfirst_alfworld import report
+from jaxopd_experiments.actfirst_alfworld import (PRESETS, Preset, RunOptions, build_parser, departures_from_paper,
+                                                  options_from_args, resolve_preset, run_experiment)
+from jaxopd_experiments.actfirst_alfworld.contexts import ALFWORLD_TASK_TYPES, ContextSet, InitialContext
 
 pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from experiments.actfirst_alfworld import idealized as ideal
+from jaxopd_experiments.actfirst_alfworld import idealized as ideal
 
 
 # ------------------------------------------------------------------------------------------ Proposition 1

@@ -7,8 +7,8 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from experiments.actfirst_alfworld import idealized
-from experiments.actfirst_alfworld.contexts import (
+from jaxopd_experiments.actfirst_alfworld import idealized
+from jaxopd_experiments.actfirst_alfworld.contexts import (
     ALFWORLD_TASK_TYPES,
     ContextSet,
     InitialContext,
@@ -18,7 +18,7 @@ from experiments.actfirst_alfworld.contexts import (
     save_context_set,
     tokenize_contexts,
 )
-from experiments.actfirst_alfworld.protocol import (
+from jaxopd_experiments.actfirst_alfworld.protocol import (
     FixedContextEnv,
     ScheduleViolation,
     TaskContext,
@@ -361,7 +361,7 @@ def test_tokenized_prompts_are_the_two_generation_modes():
 
 
 def test_committed_snapshot_is_the_seed_42_proportional_sample():
-    from experiments.actfirst_alfworld import SNAPSHOT_PATH, load_contexts
+    from jaxopd_experiments.actfirst_alfworld import SNAPSHOT_PATH, load_contexts
     cs = load_context_set(SNAPSHOT_PATH)
     src = cs.source
     assert len(cs) == 1024 and src["seed"] == 42 and src["split"] == "train"

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import kernels
-from kernels.dense import grouped_attention
+from jaxopd_kernels import registry as kernels
+from jaxopd_kernels.dense import grouped_attention
 
 NUM_PAGES, PAGE_SIZE, KV_HEADS, HEADS, HEAD_DIM = 16, 4, 2, 4, 8
 PAGE_TABLE = np.array([[3, 7, 1, 12], [5, 2, 9, 0], [14, 0, 0, 0]], np.int32)   # row 1 has 3 pages, row 2 one

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels import pallas_gpu, pallas_tpu
-from kernels.pallas_gpu import write_kv_heads_first
+from jaxopd_kernels import registry as kernels
+from jaxopd_kernels import pallas_gpu, pallas_tpu
+from jaxopd_kernels.pallas_gpu import write_kv_heads_first
 
 pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 

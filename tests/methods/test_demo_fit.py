@@ -215,15 +215,15 @@ def test_cli_teacher_adds_the_exact_reverse_kl_of_each_model(tmp_path, monkeypat
 
     from tests.methods import test_train_loop
 
-    from envs import alfworld_gen
-    from experiments import demo_fit as cli
+    from jaxopd_envs import alfworld_gen
+    from jaxopd_experiments import demo_fit as cli
     from jaxopd.methods import benchmarks
     from jaxopd.methods.divergence import exact_reverse_kl
     from jaxopd.methods.sft_data import walkthrough_samples
     from jaxopd.models.weights import load_model, save_model
 
     pytest.importorskip("alfworld")
-    from envs.alfworld import AlfWorldEnv
+    from jaxopd_envs.alfworld import AlfWorldEnv
 
     root = alfworld_gen.ensure_games(tmp_path / "games", seed=0, counts={"train": 2, "valid_seen": 0,
                                                                          "valid_unseen": 0}, workers=1, progress=False)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from tests.rollout.test_strategies import ScriptedEngine, full_text
 
-from envs.base import Observation, Task
-from envs.pool import EnvPool
-from experiments import evaluate as cli
+from jaxopd_envs.base import Observation, Task
+from jaxopd_envs.pool import EnvPool
+from jaxopd_experiments import evaluate as cli
 from jaxopd.methods.benchmarks import GeneratedCounts, resolve_source
 from jaxopd.methods.evaluate import (CURVE_FILES, OUTPUT_FILES, EpisodeRecord, evaluate_policy, markdown_table,
                                      plot_learning_curves, read_history, summarize, write_evaluation)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from envs.base import Observation, Task, TextEnv
+from jaxopd_envs.base import Observation, Task, TextEnv
 from jaxopd import losses
 from jaxopd.methods.benchmarks import BenchmarkSource
 from jaxopd.methods.config import build_config
@@ -190,7 +190,7 @@ def play(strategy, tasks, seeds):
 def sampled_batches(tokenizer):
     """Samples the real engine drew for vanilla OPD and for STI-OPD with every turn given to the teacher (the same
     weights as the student, its own engine): ``{"vanilla": [...], "sti": [...]}``."""
-    from envs.pool import EnvPool
+    from jaxopd_envs.pool import EnvPool
     from jaxopd.methods.loop import engine_config_for
     from jaxopd.rollout.scoring import EngineTeacherScorer
     from jaxopd.rollout.strategies import STIStrategy, VanillaStrategy
@@ -238,7 +238,7 @@ def test_sti_intervention_rate_is_s_over_one_plus_s(tokenizer):
     with distinct seeds give 1,000 independent draws, tested two-sided at the 0.1 % level, while the rates a wrong rule
     would give (α = s: 0.307; α = 1/2) are rejected by the same test."""
     scipy_stats = pytest.importorskip("scipy.stats")
-    from envs.pool import EnvPool
+    from jaxopd_envs.pool import EnvPool
     from jaxopd.rollout.strategies import STIConfig, STIStrategy
     from tests.rollout.test_strategies import CorridorEnv, ScriptedEngine, corridor_task, full_text
 
@@ -274,8 +274,8 @@ def test_actfirst_falls_back_to_next_action_prediction_when_the_reference_runs_o
     steps has none for turn 3, so from then on the fast action is autonomous next-action prediction from the
     interaction context alone (the turn's recorded source), one request a turn, no inverse-dynamics request; no check
     failed, and the rollout goes on to win."""
-    from envs.pool import EnvPool
-    from envs.references import build_reference
+    from jaxopd_envs.pool import EnvPool
+    from jaxopd_envs.references import build_reference
     from jaxopd.rollout.strategies import ActFirstStrategy, actfirst_config
     from tests.rollout.test_strategies import CorridorEnv, ScriptedEngine, corridor_task, full_text
 

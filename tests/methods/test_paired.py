@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import compare_evals
+from jaxopd_experiments import compare_evals
 from jaxopd.methods.paired import mcnemar_exact_p, outcomes_of, paired_comparison, restrict_to_common
 
 

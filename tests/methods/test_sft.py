@@ -337,9 +337,9 @@ def test_response_text_parses_back_and_is_qwen3s_assistant_turn(tok):
 @pytest.fixture(scope="module")
 def alfworld(tmp_path_factory):
     pytest.importorskip("alfworld")
-    from envs import alfworld_gen
-    from envs.alfworld import AlfWorldEnv
-    from envs.references import build_reference
+    from jaxopd_envs import alfworld_gen
+    from jaxopd_envs.alfworld import AlfWorldEnv
+    from jaxopd_envs.references import build_reference
 
     root = alfworld_gen.ensure_games(tmp_path_factory.mktemp("sft_games"), seed=0,
                                      counts={"train": 1, "valid_seen": 0, "valid_unseen": 0}, workers=1,
@@ -359,7 +359,7 @@ class _NoEngine:
 def replay_prompts(alfworld, tok, max_prompt_tokens):
     """Replays the walkthrough through ``RolloutStrategy``'s own episode loop on a live environment, recording
     each turn's ``prompt_inputs`` and the ids ``render("full", ...)`` gives under the budget."""
-    from envs.pool import EnvPool
+    from jaxopd_envs.pool import EnvPool
     from jaxopd.rollout.strategies.base import Decision, RolloutConfig, RolloutStrategy
 
     factory, task, reference = alfworld
@@ -648,7 +648,7 @@ def test_task_plan_here_thinking_by_hand():
     """Task-plan-here thinking: the instruction word for word, the plan-here words, and the tool's command only where
     the agent holds the unchanged object at the tool."""
     pytest.importorskip("alfworld")
-    from envs.alfworld_state import Goal, TaskState, goal_of_task_id
+    from jaxopd_envs.alfworld_state import Goal, TaskState, goal_of_task_id
     from jaxopd.methods.sft_data import task_plan_here_text, thinking_text
 
     cool = "Your task is to: cool some mug and put it in cabinet."
@@ -783,7 +783,7 @@ def test_task_tool_refused_act_here_thinking_by_hand():
     pytest.importorskip("alfworld")
     import dataclasses
 
-    from envs.alfworld_state import parse_goal, task_state
+    from jaxopd_envs.alfworld_state import parse_goal, task_state
     from jaxopd.methods.sft_data import WalkthroughTurn, missing_turn, thinking_text
 
     rule, base = "task-tool-refused-act-here", "task-tool-act-here"
@@ -822,7 +822,7 @@ def test_refused_turn_by_hand():
     """A refused-command turn: the history gains (o_t, go to <here>), the observation is the refusal, the action
     stays; none before the first arrival, nor where the refusal hides what the command needs (an object in view)."""
     pytest.importorskip("alfworld")
-    from envs.alfworld import REFUSED_FEEDBACK
+    from jaxopd_envs.alfworld import REFUSED_FEEDBACK
     from jaxopd.methods.sft_data import WalkthroughTurn, refused_turn, thinking_text
 
     cool = "Your task is to: cool some mug and put it in cabinet."
@@ -851,7 +851,7 @@ def test_missing_turn_by_hand():
     pytest.importorskip("alfworld")
     import dataclasses
 
-    from envs.alfworld import REFUSED_FEEDBACK
+    from jaxopd_envs.alfworld import REFUSED_FEEDBACK
     from jaxopd.methods.sft_data import WalkthroughTurn, missing_receptacle, missing_turn, thinking_text
 
     cool = "Your task is to: cool some mug and put it in cabinet."

@@ -26,7 +26,7 @@ MICRO = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, h
 
 
 def sft(source, out, steps, export=None, keep_checkpoints=3, export_at=None, **overrides):
-    from experiments.train import run_sft
+    from jaxopd_experiments.train import run_sft
 
     config = build_config("sft", preset="cpu", batch_size=4, checkpoint_every=2, sft_context_weight=1.0,
                           max_prompt_tokens=1024, max_train_tokens=1152, updates=steps,
@@ -89,7 +89,7 @@ def test_held_out_divergence_reads_answers_in_the_configured_thinking(source):
     the state thinking when ``sft_thinking`` is ``state`` (more positions than the empty thinking block)."""
     import types
 
-    from experiments.train import held_out_divergence
+    from jaxopd_experiments.train import held_out_divergence
 
     student, teacher = CausalLM(MICRO, rngs=nnx.Rngs(0)), CausalLM(MICRO, rngs=nnx.Rngs(1))
     values = {}
@@ -108,8 +108,8 @@ def test_held_out_divergence_reads_answers_in_the_configured_thinking(source):
 
 def test_renamed_copies_join_the_corpus_with_their_own_names(source):
     """``sft_renamed_copies=1``: every demonstration turn comes twice, the copy with its classes renamed at random
-    (envs.alfworld_names) in prompt and answer alike, its thinking naming the renamed goal."""
-    from envs.alfworld_state import parse_goal
+    (jaxopd_envs.alfworld_names) in prompt and answer alike, its thinking naming the renamed goal."""
+    from jaxopd_envs.alfworld_state import parse_goal
     from jaxopd.methods.sft import sft_corpus
 
     tokenizer = Qwen3Tokenizer()
@@ -134,7 +134,7 @@ def test_renamed_copies_join_the_corpus_with_their_own_names(source):
         build_config("vanilla-opd", preset="cpu", sft_group_by_length=4)
     with pytest.raises(ValueError, match="sft_group_by_length must be a non-negative integer"):
         build_config("sft", preset="cpu", sft_group_by_length=-1)
-    from experiments.train import build_parser, config_from_args
+    from jaxopd_experiments.train import build_parser, config_from_args
     args = build_parser().parse_args(["--method", "sft", "--out", "unused", "--sft-group-by-length", "32"])
     assert config_from_args(args).sft_group_by_length == 32
     with pytest.raises(ValueError, match="sft_action_weight weights SFT's demonstration tokens"):
@@ -207,7 +207,7 @@ def test_take_copies_add_renamed_copies_of_the_take_turns_only(source):
 def _rewritten_copies(source, tokenizer, thinking, rewrite, **copies):
     """The corpus without and with one copy of ``rewrite``'s turns: checks that exactly the turns it keeps are added,
     after the base samples, each prompt ending on a refused ``go to``; returns the base corpus."""
-    from envs.alfworld import REFUSED_FEEDBACK
+    from jaxopd_envs.alfworld import REFUSED_FEEDBACK
     from jaxopd.methods.sft import sft_corpus
     from jaxopd.methods.sft_data import walkthrough_turns
 
@@ -230,7 +230,7 @@ def test_refused_copies_add_the_turns_after_a_refused_go_to(source):
     """``sft_refused_copies=1``: after the corpus, one renamed copy of each turn ``refused_turn`` keeps, its prompt
     ending on the refused ``go to`` and "Nothing happens.", its action the demonstrated one; and the engine does answer
     a ``go to`` the receptacle the agent stands at with that refusal."""
-    from envs.alfworld import REFUSED_FEEDBACK
+    from jaxopd_envs.alfworld import REFUSED_FEEDBACK
     from jaxopd.methods.sft_data import refused_turn
 
     base = _rewritten_copies(source, Qwen3Tokenizer(), "task-list-act-here", refused_turn, sft_refused_copies=1)
@@ -249,7 +249,7 @@ def test_refused_copies_add_the_turns_after_a_refused_go_to(source):
 def test_missing_copies_add_the_turns_after_a_go_to_a_missing_receptacle(source):
     """``sft_missing_copies=1``: one renamed copy of each turn ``missing_turn`` keeps, its prompt ending on a ``go to``
     one past the last receptacle of the class here and "Nothing happens."; and the engine does refuse that command."""
-    from envs.alfworld import REFUSED_FEEDBACK
+    from jaxopd_envs.alfworld import REFUSED_FEEDBACK
     from jaxopd.methods.sft_data import missing_receptacle, missing_turn, walkthrough_turns
 
     base = _rewritten_copies(source, Qwen3Tokenizer(), "task-tool-act-here", missing_turn, sft_missing_copies=1)
@@ -320,7 +320,7 @@ def test_fast_copies_add_every_turn_as_actfirst_fast_requests(source):
 def test_export_at_writes_the_model_of_an_earlier_step_under_a_cosine_schedule(source, tmp_path):
     """``--export-at 1 DIR``: the step-1 model of the run (the weaker student), besides the final ``--export``;
     with ``lr_schedule="cosine"`` (warm-up over 5 % of 3 steps: none) both differ from the start and each other."""
-    from experiments.train import build_parser, config_from_args
+    from jaxopd_experiments.train import build_parser, config_from_args
     from jaxopd.cli import UsageError
     from jaxopd.models.weights import load_model
 
@@ -342,7 +342,7 @@ def test_export_at_writes_the_model_of_an_earlier_step_under_a_cosine_schedule(s
 
 
 def test_sft_action_format_is_checked_and_parsed():
-    from experiments.train import build_parser, config_from_args
+    from jaxopd_experiments.train import build_parser, config_from_args
     with pytest.raises(ValueError, match="unknown SFT action format 'wide'"):
         build_config("sft", preset="cpu", sft_action_format="wide")
     assert build_config("vanilla-opd", preset="cpu", sft_action_format="said").sft_action_format == "said"

@@ -23,7 +23,7 @@ from jaxopd.methods.config import RunConfig, build_config
 def run_train(capsys, tmp_path, *argv):
     """``experiments.train.main`` on ``argv`` with ``--out tmp_path/run``: (exit code, stderr, whether the --out
     folder exists)."""
-    from experiments import train
+    from jaxopd_experiments import train
 
     out = tmp_path / "run"
     code = train.main([*argv, "--out", str(out), "--no-progress"])
@@ -100,7 +100,7 @@ def test_unknown_model_preset_without_a_folder_is_refused(capsys, tmp_path):
 
 def fake_official_tree(root: Path, games: dict[str, int]) -> Path:
     """An ALFWorld tree in the official layout (``json_2.1.1/<split>/<task>/<trial>/``) with ``games[split]``
-    solvable games per split, as ``envs.alfworld.discover_games`` reads them."""
+    solvable games per split, as ``jaxopd_envs.alfworld.discover_games`` reads them."""
     for split, count in games.items():
         for i in range(count):
             folder = root / "json_2.1.1" / split / f"pick_and_place_simple-Apple-None-Fridge-{i}" / "trial_0"
@@ -124,7 +124,7 @@ def test_alfworld_data_without_games_is_refused_before_anything_is_written(capsy
 
 
 def test_evaluate_refuses_a_split_without_games(capsys, tmp_path, monkeypatch):
-    from experiments import evaluate
+    from jaxopd_experiments import evaluate
 
     games = fake_official_tree(tmp_path / "official", {"train": 1})
     (games / "json_2.1.1" / "valid_unseen" / "empty").mkdir(parents=True)
@@ -200,7 +200,7 @@ def test_the_refusals_are_the_librarys_too():
 
 # --------------------------------------------------------------------------------------------- 12: other commands
 def test_demo_fit_refuses_a_run_folder_before_generating_games(capsys, tmp_path, monkeypatch):
-    from experiments import demo_fit
+    from jaxopd_experiments import demo_fit
     import jaxopd.methods.benchmarks as benchmarks
 
     def no_games(*args, **kwargs):
@@ -220,7 +220,7 @@ def test_demo_fit_refuses_a_run_folder_before_generating_games(capsys, tmp_path,
                                                      "source": {}},
                                      {"format": 1, "contexts": [], "order": ["missing"], "source": {}}, [1, 2]])
 def test_main_job_refuses_a_malformed_contexts_file(capsys, tmp_path, payload):
-    from experiments import actfirst_alfworld
+    from jaxopd_experiments import actfirst_alfworld
 
     contexts = tmp_path / "contexts.json"
     contexts.write_text(json.dumps(payload))

@@ -40,7 +40,7 @@ def assert_one_line(result, *fragments):
 @pytest.fixture
 def official_data(tmp_path):
     """$ALFWORLD_DATA naming an official-layout tree with one solvable game in the train and valid_unseen splits (as
-    ``envs.alfworld.discover_games`` reads them: the run's task-source check passes, no game is generated)."""
+    ``jaxopd_envs.alfworld.discover_games`` reads them: the run's task-source check passes, no game is generated)."""
     import json
 
     for split in ("train", "valid_unseen"):
@@ -116,7 +116,7 @@ def test_generated_train_games(tmp_path):
                     "generated_train_games")
     assert_one_line(run_cli("--method", "sft", "--benchmark", "scienceworld", "--generated-train-games", "480",
                             "--out", str(tmp_path)), "generated_train_games=480 sizes generated ALFWorld games")
-    from experiments.train import training_counts
+    from jaxopd_experiments.train import training_counts
     from jaxopd.methods.benchmarks import GeneratedCounts
     from jaxopd.methods.config import build_config
     counts = training_counts(build_config("sft", preset="cpu", generated_train_games=480))

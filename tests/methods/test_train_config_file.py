@@ -15,7 +15,7 @@ def no_official_games(monkeypatch):
 
 
 def config_of(*argv):
-    from experiments.train import build_parser, config_from_args
+    from jaxopd_experiments.train import build_parser, config_from_args
     return config_from_args(build_parser().parse_args([*argv, "--out", "unused"]))
 
 
@@ -55,7 +55,7 @@ def test_yaml_file(tmp_path):
     ("run.toml", 'method = "sti"\nlearning_rate = "fast"\n', "RunConfig.learning_rate must be a finite number"),
 ])
 def test_bad_config_files_are_one_line_and_exit_2(tmp_path, capsys, name, text, needle):
-    from experiments import train
+    from jaxopd_experiments import train
 
     path = tmp_path / name
     path.write_text(text)

@@ -43,8 +43,8 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     pytest.importorskip("alfworld")
-    from envs import alfworld_gen
-    from envs.alfworld import AlfWorldEnv
+    from jaxopd_envs import alfworld_gen
+    from jaxopd_envs.alfworld import AlfWorldEnv
 
     root = alfworld_gen.ensure_games(tmp_path_factory.mktemp("loop_games"), seed=0,
                                      counts={"train": 2, "valid_seen": 0, "valid_unseen": 0}, workers=1,
@@ -241,8 +241,8 @@ def test_teacher_with_another_vocabulary_is_refused(source, tokenizer, tmp_path)
 def test_rollout_stats_count_actfirst_guidance_by_hand():
     """Per-update rollout metrics on hand-built trajectories: the action sources over all turns, and ActFirst's
     guided turns with the share whose inverse-dynamics proposal was invalid and whose transition check failed."""
-    from envs.base import Observation, Task
-    from envs.checks import TransitionCheck
+    from jaxopd_envs.base import Observation, Task
+    from jaxopd_envs.checks import TransitionCheck
     from jaxopd.rollout.trajectory import Trajectory, Turn
 
     task = Task(benchmark="alfworld", split="train", task_id="alfworld/train/pick-1", task_type="pick")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import train_report
+from jaxopd_experiments import train_report
 from jaxopd.methods.evaluate import EpisodeRecord, summarize, write_evaluation
 
 

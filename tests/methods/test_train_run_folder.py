@@ -157,8 +157,8 @@ def loop_parts(tmp_path_factory):
     from tests.methods import test_train_loop as loop
 
     pytest.importorskip("alfworld")
-    from envs import alfworld_gen
-    from envs.alfworld import AlfWorldEnv
+    from jaxopd_envs import alfworld_gen
+    from jaxopd_envs.alfworld import AlfWorldEnv
     from jaxopd.methods.benchmarks import BenchmarkSource
     from jaxopd.tokenizer import Qwen3Tokenizer
 

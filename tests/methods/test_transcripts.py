@@ -40,7 +40,7 @@ def _look_episode():
 
 
 def test_goal_of_task_id():
-    from envs.alfworld_state import Goal, goal_of_task_id
+    from jaxopd_envs.alfworld_state import Goal, goal_of_task_id
     assert goal_of_task_id(COOL_ID) == Goal("pick_cool_then_place_in_recep", "mug", "cabinet")
     assert goal_of_task_id(LOOK_ID) == Goal("look_at_obj_in_light", "cd", toggle="desklamp")
     assert goal_of_task_id("pick_two_obj_and_place-Vase-None-Shelf-7").count == 2
@@ -131,7 +131,7 @@ def test_transcript_counts_by_hand():
 
 
 def test_episode_report_cli(tmp_path, capsys):
-    from experiments.episode_report import main
+    from jaxopd_experiments.episode_report import main
     first, second = tmp_path / "a", tmp_path / "b.json"
     first.mkdir()
     (first / "evaluation.json").write_text(json.dumps({"episodes": [_cool_episode(), _look_episode()]}))
@@ -170,7 +170,7 @@ def test_task_plan_here_fidelity_reads_the_record_instruction():
 
 
 def test_a_restated_instruction_does_not_name_the_goal():
-    from envs.alfworld_state import without_restated_instruction
+    from jaxopd_envs.alfworld_state import without_restated_instruction
     from jaxopd.methods.transcripts import transcript_counts
     instruction = "Your task is to: cool some mug and put it in cabinet."
     assert without_restated_instruction(f"{instruction} I need a bread.") == "I need a bread."

@@ -453,7 +453,7 @@ def _write_small(path, weights, **kwargs):
 
 
 def _fetch_main(argv, capsys):
-    from experiments.fetch_model import main
+    from jaxopd_experiments.fetch_model import main
 
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from envs.base import Observation, Task, TextEnv
+from jaxopd_envs.base import Observation, Task, TextEnv
 from jaxopd.models.decoder import CausalLM, ModelConfig, abstract_model
 from jaxopd.rollout.prompts import GENERATION_MODES, PromptInputs, render_prompt, uses_thinking
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
@@ -368,7 +368,7 @@ class DenseScore:
 
 
 def test_sft_steps_train_and_resume_a_llama(cfg, tokenizer, tmp_path):
-    from envs.references import build_reference
+    from jaxopd_envs.references import build_reference
     from jaxopd.methods.sft import to_sub_vocabulary, train_sft
     from jaxopd.methods.sft_data import walkthrough_samples
 

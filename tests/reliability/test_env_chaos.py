@@ -63,7 +63,7 @@ def test_env_chaos_every_episode_is_intact_or_reported_and_nothing_outlives_the_
 
 # ------------------------------------------------------------------------------------------------ the bug it found
 def test_canonical_ambiguity_sorts_and_renumbers_the_readings():
-    from envs.scienceworld import canonical_ambiguity
+    from jaxopd_envs.scienceworld import canonical_ambiguity
 
     raw = ("Ambiguous request: Please enter the number for the action you intended (or blank to cancel):\n"
            "0:\tlook at door between workshop and hallway\n1:\tlook at door between bedroom and hallway\n"
@@ -81,8 +81,8 @@ def test_scienceworld_ambiguous_choices_replay_after_a_jvm_crash():
     """Regression: the engine numbers an ambiguous action's readings in another order after every reset, so a replay
     (in-env after a JVM crash, or the pool's) compared a differently ordered listing (diverged) and sent the same
     number for another reading. The listing is now sorted and a numeric answer translated."""
-    from envs.pool import EnvPool
-    from envs.scienceworld import ScienceWorldEnv, scienceworld_task
+    from jaxopd_envs.pool import EnvPool
+    from jaxopd_envs.scienceworld import ScienceWorldEnv, scienceworld_task
 
     task = scienceworld_task("freeze", 0)
     env = ScienceWorldEnv()

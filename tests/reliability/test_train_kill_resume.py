@@ -40,7 +40,7 @@ def setup(tmp_path_factory):
     pytest.importorskip("alfworld")
     from flax import nnx
 
-    from envs import alfworld_gen
+    from jaxopd_envs import alfworld_gen
     from jaxopd.models.decoder import CausalLM, ModelConfig
     from jaxopd.models.weights import save_model
     from jaxopd.tokenizer import QWEN3_VOCAB_SIZE

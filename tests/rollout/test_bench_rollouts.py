@@ -9,7 +9,7 @@ from concurrent.futures import Future
 import pytest
 
 from bench import env_throughput, rollout_quality
-from envs.base import Observation, Task
+from jaxopd_envs.base import Observation, Task
 from jaxopd.rollout.trajectory import Trajectory, Turn
 
 

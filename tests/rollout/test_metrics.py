@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from envs.text import normalize_text
+from jaxopd_envs.text import normalize_text
 from jaxopd.rollout.metrics import (
     RolloutQuality,
     StepRecord,

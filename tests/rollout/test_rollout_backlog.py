@@ -139,9 +139,9 @@ def test_backlog_config():
 
 
 def test_a_task_whose_reference_fails_fails_its_episode_and_the_runners_go_on():
-    """``task_at`` builds a task's reference on first use (``envs.references.LazyReferences``); when that raises,
+    """``task_at`` builds a task's reference on first use (``jaxopd_envs.references.LazyReferences``); when that raises,
     the episode is reported failed with the error and the runner thread plays the next task."""
-    from envs.references import ReferenceBuildError
+    from jaxopd_envs.references import ReferenceBuildError
 
     class Plain:
         def run_episode(self, slot, task, reference, *, seed):
@@ -165,7 +165,7 @@ def test_a_task_whose_reference_fails_fails_its_episode_and_the_runners_go_on():
 def test_sync_waves_leave_out_a_task_whose_reference_fails():
     """The sync and collection path (``Trainer._picks``): the failing task is logged and left out of the wave,
     the others keep their order, and the failure is what a run that stalls reports."""
-    from envs.references import ReferenceBuildError
+    from jaxopd_envs.references import ReferenceBuildError
     from jaxopd.methods.loop import Trainer
 
     trainer = object.__new__(Trainer)

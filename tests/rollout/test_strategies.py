@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from envs.base import EnvError, Observation, Task, TextEnv
-from envs.pool import EnvPool
-from envs.references import build_reference
+from jaxopd_envs.base import EnvError, Observation, Task, TextEnv
+from jaxopd_envs.pool import EnvPool
+from jaxopd_envs.references import build_reference
 from jaxopd.rollout.scoring import CallableScorer, DenseTeacherScorer, as_teacher_scorer
 from jaxopd.rollout.strategies import (
     ActFirstStrategy,

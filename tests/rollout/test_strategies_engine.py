@@ -16,8 +16,8 @@ import pytest
 from flax import nnx
 from tests.rollout.test_strategies import ScriptedEngine, full_text
 
-from envs.pool import EnvPool
-from envs.references import build_reference
+from jaxopd_envs.pool import EnvPool
+from jaxopd_envs.references import build_reference
 from jaxopd.models.decoder import CausalLM, ModelConfig
 from jaxopd.rollout.scoring import DenseTeacherScorer
 from jaxopd.rollout.strategies import (
@@ -75,8 +75,8 @@ def engines(tok, student_model, teacher_model):
 @pytest.fixture(scope="module")
 def alfworld(tmp_path_factory):
     pytest.importorskip("alfworld")
-    from envs import alfworld_gen
-    from envs.alfworld import AlfWorldEnv
+    from jaxopd_envs import alfworld_gen
+    from jaxopd_envs.alfworld import AlfWorldEnv
 
     root = alfworld_gen.ensure_games(tmp_path_factory.mktemp("strategy_games"), seed=0,
                                      counts={"train": 1, "valid_seen": 0, "valid_unseen": 0}, workers=1,
@@ -94,7 +94,7 @@ def scienceworld():
     if shutil.which("java") is None:
         pytest.skip("ScienceWorld needs java")
     pytest.importorskip("scienceworld")
-    from envs.scienceworld import ScienceWorldEnv, scienceworld_task
+    from jaxopd_envs.scienceworld import ScienceWorldEnv, scienceworld_task
 
     task = scienceworld_task("find-living-thing", 0)
     with ScienceWorldEnv() as env:

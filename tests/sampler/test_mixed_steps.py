@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import kernels
+from jaxopd_kernels import registry as kernels
 from jaxopd.models.decoder import CausalLM, ModelConfig
 from engine_requests import CharTokenizer, request_mix
 from jaxopd.sampler import Engine, EngineConfig
@@ -125,9 +125,9 @@ def test_warmup_compiles_one_mixed_shape_per_prefill_shape(model):
 
 
 def test_main_job_mixed_steps_flag():
-    from experiments.actfirst_alfworld import (PRESETS, build_parser, departures_from_paper, engine_config_for,
-                                               options_from_args)
-    from experiments.actfirst_alfworld.protocol import TaskContext
+    from jaxopd_experiments.actfirst_alfworld import (PRESETS, build_parser, departures_from_paper, engine_config_for,
+                                                      options_from_args)
+    from jaxopd_experiments.actfirst_alfworld.protocol import TaskContext
 
     parse = build_parser().parse_args
     modes = {flag: options_from_args(parse(["--preset", "cpu", "--mixed-steps", flag, "--out", "x"])).mixed_steps

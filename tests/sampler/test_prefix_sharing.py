@@ -159,8 +159,8 @@ def test_weight_update_clears_the_prefix_cache(model):
 
 
 def test_main_job_prefix_sharing_flag():
-    from experiments.actfirst_alfworld import (PRESETS, build_parser, departures_from_paper, options_from_args,
-                                               sharing_summary)
+    from jaxopd_experiments.actfirst_alfworld import (PRESETS, build_parser, departures_from_paper, options_from_args,
+                                                      sharing_summary)
     parse = build_parser().parse_args
     assert options_from_args(parse(["--preset", "cpu", "--out", "x"])).prefix_sharing is True
     off = options_from_args(parse(["--preset", "cpu", "--prefix-sharing", "off", "--out", "x"]))

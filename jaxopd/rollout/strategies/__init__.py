@@ -1,7 +1,7 @@
 """Rollout strategies, one file per strategy: ``vanilla`` (think-then-act), ``actfirst`` (ActFirst-OPD and its
 ablations), ``sti`` (STI-OPD's stochastic teacher intervention), ``actionopd`` (ActionOPD's state groups).
 
-Each runs episodes over an engine (``submit(Request) -> Future[Result]``) and an ``envs.pool.EnvPool`` and yields
+Each runs episodes over an engine (``submit(Request) -> Future[Result]``) and a ``jaxopd_envs.pool.EnvPool`` and yields
 ``jaxopd.rollout.trajectory.Trajectory`` records, whose training responses convert to ``train.buffer.Sample``.
 """
 from jaxopd.rollout.strategies.actfirst import ABLATIONS, ActFirstConfig, ActFirstStrategy, actfirst_config

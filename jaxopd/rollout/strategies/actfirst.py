@@ -35,8 +35,8 @@ import dataclasses
 import math
 from concurrent.futures import Future
 
-from envs.base import Observation
-from envs.checks import TransitionCheck, check_transition
+from jaxopd_envs.base import Observation
+from jaxopd_envs.checks import TransitionCheck, check_transition
 from jaxopd.rollout.strategies.base import Decision, Episode, RolloutConfig, RolloutStrategy, is_action_valid
 
 __all__ = ["ActFirstConfig", "ABLATIONS", "actfirst_config", "ActFirstStrategy"]

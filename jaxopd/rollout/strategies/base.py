@@ -23,9 +23,9 @@ from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from envs.base import Observation, Task
-from envs.checks import is_alfworld_action_valid, is_scienceworld_action_valid
-from envs.references import ReferenceTrajectory
+from jaxopd_envs.base import Observation, Task
+from jaxopd_envs.checks import is_alfworld_action_valid, is_scienceworld_action_valid
+from jaxopd_envs.references import ReferenceTrajectory
 from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, render_prompt
 from jaxopd.rollout.tags import ACTION_STOP_STRING
 from jaxopd.rollout.thinking import ThinkingBudget, submit_budgeted
@@ -256,7 +256,7 @@ class RolloutStrategy(abc.ABC):
         episode that raised (an ``EnvError`` the pool could not recover, an engine error, a bad reference)
         into a failed outcome whose ``error`` is ``"ExcType: message"``; it returns only when every episode has
         finished, so no trajectory is dropped because another failed. Recovering a crashed environment is the
-        pool's (``envs.pool.EnvPool`` rebuilds and replays); this method only reports what could not be saved.
+        pool's (``jaxopd_envs.pool.EnvPool`` rebuilds and replays); this method only reports what could not be saved.
 
         ``references`` maps task ids to reference trajectories (required by reference-guided strategies).
         ``seeds``: one episode seed per task (None: ``config.seed``), passed to ``run_episode(..., seed=)``; a
@@ -274,7 +274,7 @@ class RolloutStrategy(abc.ABC):
                 raise ValueError(f"seeds must give one seed per task: {len(seeds)} seeds for {len(tasks)} tasks")
         for task in tasks:
             if not isinstance(task, Task):
-                raise ValueError(f"tasks must be envs.base.Task records, got {type(task).__name__}")
+                raise ValueError(f"tasks must be jaxopd_envs.base.Task records, got {type(task).__name__}")
         num_slots = self.pool.num_slots if slots is None else slots
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 1 <= num_slots <= self.pool.num_slots:
             raise ValueError(f"slots must be in [1, {self.pool.num_slots}] (the pool's slots), got {slots!r}")

@@ -1,8 +1,7 @@
-"""Text environments (ALFWorld, ScienceWorld) behind one interface, stepped in host threads.
-
-Owns ``import_alfworld``, the one way this package imports the alfworld wheel: alfworld's own ``info`` module sets
-``$ALFWORLD_DATA`` to ``~/.cache/alfworld`` on import when it is unset, after which every reader of the variable
-(``jaxopd.methods.benchmarks``, ``envs.alfworld``) would take that empty cache for the user's official games.
+"""``import_alfworld``: the one way the text environments (package ``jaxopd_envs``, folder ``envs/``) import the
+alfworld wheel: alfworld's own ``info`` module sets ``$ALFWORLD_DATA`` to ``~/.cache/alfworld`` on import when it is
+unset, after which every reader of the variable (``jaxopd.methods.benchmarks``, ``jaxopd_envs.alfworld``) would take
+that empty cache for the user's official games.
 """
 from __future__ import annotations
 

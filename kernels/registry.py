@@ -1,21 +1,23 @@
 """Attention kernels: the dense GQA softmax and the paged-KV backends, chosen by name.
 
-Owns the registry of ``AttentionBackend`` objects (``kernels.backend``): ``get_backend(name)`` returns the one
-object that owns a layer's KV page layout, the KV write and the prefill / decode attention. ``reference``
-(pure jnp, pages ``[num_pages, page_size, kv_heads, head_dim]``) and ``reference-hnd`` (the same with pages
-``[kv_heads, num_pages, page_size, head_dim]``) run anywhere; a Pallas GPU or TPU kernel registers itself here
-under another name and the engine picks it by name (``pallas-gpu``, ``pallas-tpu``, ``pallas-tpu-ragged``;
-``default_backend_name()`` picks the platform's). ``kernels.dense.grouped_attention`` is the dense attention
+The package ``jaxopd_kernels`` (folder ``kernels/``, a namespace package: no ``__init__.py``, so
+that the folder never shadows Hugging Face's ``kernels`` when the repository root is on
+``sys.path``). This module owns the registry of ``AttentionBackend`` objects (``jaxopd_kernels.backend``):
+``get_backend(name)`` returns the one object that owns a layer's KV page layout, the KV write and the prefill / decode
+attention. ``reference`` (pure jnp, pages ``[num_pages, page_size, kv_heads, head_dim]``) and ``reference-hnd`` (the
+same with pages ``[kv_heads, num_pages, page_size, head_dim]``) run anywhere; a Pallas GPU or TPU kernel registers
+itself here under another name and the engine picks it by name (``pallas-gpu``, ``pallas-tpu``, ``pallas-tpu-ragged``;
+``default_backend_name()`` picks the platform's). ``jaxopd_kernels.dense.grouped_attention`` is the dense attention
 of the model. Nothing here imports ``jaxopd``.
 """
 from __future__ import annotations
 
-from kernels.backend import AttentionBackend, LayerCache
-from kernels.dense import grouped_attention
-from kernels.paged_attention_reference import (HeadsFirstReferenceBackend, ReferenceBackend,
-                                               paged_attention_reference, write_kv_pages)
-from kernels.pallas_gpu import PallasGpuBackend
-from kernels.pallas_tpu import PallasTpuBackend, PallasTpuRaggedBackend
+from jaxopd_kernels.backend import AttentionBackend, LayerCache
+from jaxopd_kernels.dense import grouped_attention
+from jaxopd_kernels.paged_attention_reference import (HeadsFirstReferenceBackend, ReferenceBackend,
+                                                      paged_attention_reference, write_kv_pages)
+from jaxopd_kernels.pallas_gpu import PallasGpuBackend
+from jaxopd_kernels.pallas_tpu import PallasTpuBackend, PallasTpuRaggedBackend
 
 _BACKENDS: dict[str, AttentionBackend] = {}
 
