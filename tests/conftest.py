@@ -1,4 +1,5 @@
-"""Shared pytest setup: 8 simulated CPU devices, offline Hugging Face, small random Qwen3 checkpoints."""
+"""Shared pytest setup: 8 simulated CPU devices, offline Hugging Face, the micro models' fixtures (shapes and
+makers in ``tests/micro_models.py``)."""
 import os
 
 # Must happen before jax is imported anywhere: tests simulate an 8-device host for sharding.
@@ -17,25 +18,7 @@ try:        # alfworld's import writes $ALFWORLD_DATA; import it once here the w
 except ImportError:                         # the [envs] extra is not installed: those tests skip
     pass
 
-SMALL_HF_CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                       rope_theta=1_000_000.0, rms_norm_eps=1e-6)
-
-
-def make_hf_qwen3(folder, *, tied: bool, seed: int = 0, **overrides):
-    """A random tiny Qwen3 made by transformers and saved with save_pretrained (float32)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(**{**SMALL_HF_CONFIG, **overrides}, tie_word_embeddings=tied)
-    model = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # HF inits norms to 1: perturb them so a wrong norm mapping cannot pass
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(folder)
-    return model
+from micro_models import SMALL_HF_CONFIG, make_hf_qwen3  # noqa: E402,F401  (tests import them from conftest too)
 
 
 @pytest.fixture(scope="session", params=[True, False], ids=["tied", "untied"])
@@ -44,6 +27,41 @@ def hf_qwen3(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf_tied" if request.param else "hf_untied")
     model = make_hf_qwen3(folder, tied=request.param)
     return folder, model
+
+
+@pytest.fixture(scope="module")
+def model(request):
+    """The test file's random micro model, shared by its tests: ``CausalLM(CFG, rngs=nnx.Rngs(MODEL_SEED))`` of the
+    file's module-level ``CFG`` (a ``micro_models.micro_config``) and ``MODEL_SEED``."""
+    from flax import nnx
+
+    from jaxopd.models.decoder import CausalLM
+    return CausalLM(request.module.CFG, rngs=nnx.Rngs(request.module.MODEL_SEED))
+
+
+@pytest.fixture(scope="session")
+def micro_checkpoints(tmp_path_factory):
+    """(student, teacher) Hugging Face folders of random micro Qwen3s (``micro_models.MICRO``, seeds 0 and 1) over
+    the Qwen3 tokenizer's ids. Read-only: a test that writes into a model folder makes its own."""
+    from micro_models import save_micro_pair
+    return save_micro_pair(tmp_path_factory.mktemp("micro_checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def mismatched_checkpoints(tmp_path_factory):
+    """(student, teacher) folders of micro Qwen3s whose vocabularies differ: 300 and 400 ids (read-only)."""
+    from micro_models import save_micro_pair
+    return save_micro_pair(tmp_path_factory.mktemp("mismatched_checkpoints"), student_vocab=300, teacher_vocab=400)
+
+
+@pytest.fixture(scope="session")
+def alfworld_games(tmp_path_factory):
+    """The root of a generated ALFWorld tree of 2 train games (seed 0), read-only; skips without alfworld."""
+    pytest.importorskip("alfworld")
+    from jaxopd_envs import alfworld_gen
+    return alfworld_gen.ensure_games(tmp_path_factory.mktemp("alfworld_games"), seed=0,
+                                     counts={"train": 2, "valid_seen": 0, "valid_unseen": 0}, workers=1,
+                                     progress=False)
 
 
 def _mapped_regions() -> int | None:
@@ -76,6 +94,18 @@ def _free_compiled_programs():
 
 
 _PEAK_REGIONS = [0]
+
+
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker (``-n``; each worker frees its own files' programs) hands its peak to the controller."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["peak_regions"] = _PEAK_REGIONS[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: the largest peak of its workers, for the summary line."""
+    _PEAK_REGIONS[0] = max(_PEAK_REGIONS[0], getattr(node, "workeroutput", {}).get("peak_regions", 0))
 
 
 def pytest_terminal_summary(terminalreporter):

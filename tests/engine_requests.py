@@ -33,6 +33,16 @@ def request_mix(n, seed, *, vocab, max_prompt=40, max_new=60, min_new_below=10, 
     return out
 
 
+def fixed_length_requests(n, *, vocab, new_tokens, seed=0):
+    """``n`` requests of 3 to 39 random prompt ids that each generate exactly ``new_tokens`` tokens, sampled at
+    temperature 0.9 and greedy in turn (seed = index): outputs two engine configurations must agree on."""
+    rng = np.random.default_rng(seed)
+    return [Request(rng.integers(0, vocab, size=int(rng.integers(3, 40))).tolist(),
+                    SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                   temperature=0.0 if i % 2 else 0.9, seed=i))
+            for i in range(n)]
+
+
 class CharTokenizer:
     """Token t decodes to one letter (``t mod 26``), so stop strings can be hit by token ids."""
 

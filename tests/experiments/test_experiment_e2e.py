@@ -23,10 +23,10 @@ MINIATURE = Preset(
 
 def micro_model():
     from flax import nnx
-    from jaxopd.models.decoder import CausalLM, ModelConfig
+    from jaxopd.models.decoder import CausalLM
     from jaxopd.models.weights import model_record
-    cfg = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
-                      dtype="float32", param_dtype="float32")
+    from micro_models import MICRO, micro_config
+    cfg = micro_config(MICRO, vocab_size=151_936)
     model = CausalLM(cfg, rngs=nnx.Rngs(0))
     return model, model_record(model, name="micro", weights=None)
 

@@ -104,22 +104,18 @@ def test_kernels_import_nothing_of_jaxopd():
 
 @pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 def test_engine_gives_identical_outputs_on_either_page_layout():
-    from jaxopd.models.decoder import CausalLM, ModelConfig
-    from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
+    from engine_requests import fixed_length_requests
+    from jaxopd.models.decoder import CausalLM
+    from jaxopd.sampler import Engine, EngineConfig
+    from micro_models import TWO_LAYER, micro_config
 
-    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
-                      vocab_size=128, dtype="float32", param_dtype="float32")
-    model = CausalLM(cfg, rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(0)
-    requests = [(rng.integers(0, 128, size=int(rng.integers(3, 40))).tolist(),
-                 SamplingParams(max_new_tokens=12, min_new_tokens=12, temperature=0.0 if i % 2 else 0.9, seed=i))
-                for i in range(5)]
+    model = CausalLM(micro_config(TWO_LAYER, vocab_size=128), rngs=nnx.Rngs(0))
     outputs = {}
     for name in ("reference", "reference-hnd"):
         config = EngineConfig(max_slots=4, page_size=8, num_pages=48, max_seq_len=64, prefill_chunk=32,
                               max_prefill_tokens=64, eos_token_ids=(), attention_backend=name)
         with Engine(model, config) as engine:
-            results = engine.generate([Request(list(p), params) for p, params in requests])
+            results = engine.generate(fixed_length_requests(5, vocab=128, new_tokens=12))
             assert engine.scheduler.allocator.num_used == 0
             layout = jax.tree.leaves(engine.executor.kv)[0].shape
         outputs[name] = [(r.token_ids, r.logprobs.tolist()) for r in results]

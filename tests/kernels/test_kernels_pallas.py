@@ -433,25 +433,22 @@ def test_engine_on_pallas_backend_matches_reference(name):
         pytest.skip("TPU kernels run on TPU, or interpreted on CPU")
     from flax import nnx
 
-    from jaxopd.models.decoder import CausalLM, ModelConfig
-    from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
+    from engine_requests import fixed_length_requests
+    from jaxopd.models.decoder import CausalLM
+    from jaxopd.sampler import Engine, EngineConfig
+    from micro_models import TWO_LAYER, micro_config
 
     if name not in kernels.available_backends():
         kernels.register_backend({"pallas-gpu": pallas_gpu.PallasGpuBackend,
                                   "pallas-tpu": pallas_tpu.PallasTpuBackend}[name]())
-    cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
-                      vocab_size=128, dtype="float32", param_dtype="float32")
-    model = CausalLM(cfg, rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(0)
-    requests = [(rng.integers(0, 128, size=int(rng.integers(3, 40))).tolist(),
-                 SamplingParams(max_new_tokens=8, min_new_tokens=8, temperature=0.0 if i % 2 else 0.9, seed=i))
-                for i in range(3)]
+    # head_dim 16 and 16-token pages: a TPU kernel's tiles
+    model = CausalLM(micro_config(TWO_LAYER, vocab_size=128), rngs=nnx.Rngs(0))
     outputs = {}
     for backend in ("reference", name):
         config = EngineConfig(max_slots=4, page_size=16, num_pages=24, max_seq_len=64, prefill_chunk=32,
                               max_prefill_tokens=64, eos_token_ids=(), attention_backend=backend)
         with Engine(model, config) as engine:
-            outputs[backend] = engine.generate([Request(list(p), params) for p, params in requests])
+            outputs[backend] = engine.generate(fixed_length_requests(3, vocab=128, new_tokens=8))
     for ref, got in zip(outputs["reference"], outputs[name]):
         assert ref.token_ids == got.token_ids
         # on a GPU the reference's float32 einsums may run in TF32: only the CPU bound is tight

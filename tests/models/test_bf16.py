@@ -8,13 +8,13 @@ import numpy as np
 from flax import nnx
 
 from jaxopd.models.decoder import CausalLM, ModelConfig, default_dtype
+from micro_models import MEDIUM, micro_config
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 
 pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 
 VOCAB = 512
-CFG = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                  vocab_size=VOCAB, dtype="float32", param_dtype="float32")
+CFG = micro_config(MEDIUM, vocab_size=VOCAB)
 ENGINE = EngineConfig(max_slots=8, page_size=8, num_pages=256, max_seq_len=160, prefill_chunk=32,
                       max_prefill_tokens=128, eos_token_ids=())
 

@@ -33,6 +33,7 @@ from jaxopd.models.gguf import (GGUFError, gguf_to_hf_folder, hf_tokenizer_files
                                 unpermute_qk)
 from jaxopd.models.weights import SafetensorsFile, load_model  # noqa: E402
 from jaxopd.tokenizer import load_tokenizer  # noqa: E402
+from micro_models import perturb_norms, torch_logits  # noqa: E402
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # SmolLM2-Instruct's template (ChatML with a default system message)
@@ -191,14 +192,6 @@ def write_gguf(path, weights: dict[str, np.ndarray], *, arch="llama", kind="F32"
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-def _perturbed_norms(model):
-    with torch.no_grad():  # HF inits norms to 1: perturb them so a wrong norm mapping cannot pass
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
 @pytest.fixture(scope="module")
 def llama_weights():
     """The float weights (Hugging Face names, numpy) of a random tiny untied Llama over the synthetic vocabulary."""
@@ -209,7 +202,7 @@ def llama_weights():
     theta = params.pop("rope_theta")
     cfg = LlamaConfig(**params, vocab_size=len(byte_level_bpe()[0]), tie_word_embeddings=False,
                       rope_parameters={"rope_type": "default", "rope_theta": theta}, bos_token_id=1, eos_token_id=2)
-    model = _perturbed_norms(LlamaForCausalLM(cfg).eval())
+    model = perturb_norms(LlamaForCausalLM(cfg).eval())
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
@@ -250,11 +243,6 @@ def _our_logits(model, prompts):
     return [logits[b, :len(ids)] for b, ids in enumerate(prompts)]
 
 
-def _torch_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
 # ---------------------------------------------------------------------------------------------- (a) logits
 def test_logits_match_transformers_gguf_loader(imported):
     """Our import and transformers' GGUF loader agree on the logits, for every tensor type."""
@@ -268,7 +256,7 @@ def test_logits_match_transformers_gguf_loader(imported):
     assert type(ref).__name__ == "LlamaForCausalLM"
     prompts = _prompts(model.config.vocab_size)
     for ids, ours in zip(prompts, _our_logits(model, prompts)):
-        expected = _torch_logits(ref, ids)
+        expected = torch_logits(ref, ids)
         np.testing.assert_allclose(ours, expected, atol=1e-3, rtol=0, err_msg=f"{kind}, {len(ids)} tokens")
         assert np.abs(expected).max() > 0.1
 
@@ -340,7 +328,7 @@ def test_tied_embedding_gguf(llama_weights, tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tied.gguf", dtype=torch.float32).eval()
     prompts = _prompts(model.config.vocab_size)
     for ids, ours in zip(prompts, _our_logits(model, prompts)):
-        np.testing.assert_allclose(ours, _torch_logits(ref, ids), atol=1e-3, rtol=0)
+        np.testing.assert_allclose(ours, torch_logits(ref, ids), atol=1e-3, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------- (c) tokenizer
@@ -420,7 +408,7 @@ def test_qwen3_gguf_matches_transformers_qwen3(tmp_path):
     assert model.config.qk_norm
     prompts = _prompts(vocab, seed=9)
     for ids, ours in zip(prompts, _our_logits(model, prompts)):
-        expected = _torch_logits(torch_model, ids)
+        expected = torch_logits(torch_model, ids)
         np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
         assert np.abs(expected).max() > 0.1
     st = SafetensorsFile(folder / "model.safetensors")

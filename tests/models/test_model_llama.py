@@ -7,12 +7,12 @@ over GQA ratios 4/4, 6/2 and 8/1, tied and untied embeddings, RoPE bases 10,000 
 import json
 import shutil
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 from jaxopd.models.weights import CheckpointError, SafetensorsFile, load_model, save_model
+from micro_models import assert_padded_logits_match, perturb_norms, torch_logits
 
 PROMPT_LENGTHS = (3, 11, 26, 40)
 VOCAB = 384
@@ -36,11 +36,7 @@ def make_hf_llama(folder, *, hidden, heads, kv_heads, head_dim, tied, rope_theta
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
                       rms_norm_eps=1e-5, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
                       rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, **kwargs)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # HF inits norms to 1: perturb them so a wrong norm mapping cannot pass
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
+    model = perturb_norms(LlamaForCausalLM(cfg).eval())
     model.save_pretrained(folder)
     return model
 
@@ -60,24 +56,6 @@ def _prompts(seed: int = 1):
     return [rng.integers(0, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
 
 
-def _torch_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
-def _batch(prompts, padding_side):
-    width = max(map(len, prompts))
-    tokens = np.zeros((len(prompts), width), np.int32)
-    mask = np.zeros_like(tokens, dtype=bool)
-    positions = np.zeros_like(tokens)
-    for b, ids in enumerate(prompts):
-        start = 0 if padding_side == "right" else width - len(ids)
-        tokens[b, start:start + len(ids)] = ids
-        mask[b, start:start + len(ids)] = True
-        positions[b, start:start + len(ids)] = np.arange(len(ids))
-    return tokens, positions, mask
-
-
 def test_config_is_read_as_llama(hf_llama):
     folder, torch_model, (hidden, heads, kv_heads, head_dim, tied, theta) = hf_llama
     cfg = load_model(folder, dtype="float32").config
@@ -93,15 +71,7 @@ def test_config_is_read_as_llama(hf_llama):
 def test_logits_match_transformers_with_padding(hf_llama, padding_side):
     folder, torch_model, _ = hf_llama
     model = load_model(folder, dtype="float32")
-    prompts = _prompts()
-    tokens, positions, mask = _batch(prompts, padding_side)
-    logits = np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)))
-    assert logits.dtype == np.float32
-    for b, ids in enumerate(prompts):
-        ours = logits[b][mask[b]]
-        ref = _torch_logits(torch_model, ids)
-        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
-        assert np.abs(ref).max() > 0.1  # the comparison is not between near-zero tensors
+    assert_padded_logits_match(model, torch_model, _prompts(), padding_side)
 
 
 def test_export_back_to_transformers(hf_llama, tmp_path):
@@ -121,7 +91,7 @@ def test_export_back_to_transformers(hf_llama, tmp_path):
     ref_sd, new_sd = torch_model.state_dict(), reloaded.state_dict()
     assert set(ref_sd) == set(new_sd)
     for ids in _prompts(seed=3):
-        np.testing.assert_allclose(_torch_logits(reloaded, ids), _torch_logits(torch_model, ids), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(torch_logits(reloaded, ids), torch_logits(torch_model, ids), atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------- refusals

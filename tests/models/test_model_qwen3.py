@@ -10,6 +10,7 @@ import torch
 from flax import nnx
 
 from jaxopd.models.decoder import PRESETS, ModelConfig, abstract_model, count_params
+from micro_models import assert_padded_logits_match
 from jaxopd.models.weights import (CheckpointError, SafetensorsFile, check_checkpoint_files, load_model, read_config,
                                    save_model, write_safetensors)
 
@@ -21,32 +22,11 @@ def _prompts(vocab: int, seed: int = 1):
     return [rng.integers(0, vocab, size=n).tolist() for n in PROMPT_LENGTHS]
 
 
-def _torch_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
 @pytest.mark.parametrize("padding_side", ["right", "left"])
 def test_logits_match_transformers_with_padding(hf_qwen3, padding_side):
     folder, torch_model = hf_qwen3
     model = load_model(folder, dtype="float32")
-    prompts = _prompts(model.config.vocab_size)
-    width = max(map(len, prompts))
-    tokens = np.zeros((len(prompts), width), np.int32)
-    mask = np.zeros_like(tokens, dtype=bool)
-    positions = np.zeros_like(tokens)
-    for b, ids in enumerate(prompts):
-        start = 0 if padding_side == "right" else width - len(ids)
-        tokens[b, start:start + len(ids)] = ids
-        mask[b, start:start + len(ids)] = True
-        positions[b, start:start + len(ids)] = np.arange(len(ids))
-    logits = np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)))
-    assert logits.dtype == np.float32
-    for b, ids in enumerate(prompts):
-        ours = logits[b][mask[b]]
-        ref = _torch_logits(torch_model, ids)
-        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
-        assert np.abs(ref).max() > 0.1  # the comparison is not between near-zero tensors
+    assert_padded_logits_match(model, torch_model, _prompts(model.config.vocab_size), padding_side)
 
 
 def test_greedy_continuation_matches_transformers(hf_qwen3):

@@ -18,8 +18,6 @@ import pytest
 pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 
 ROOT = Path(__file__).resolve().parents[2]
-MICRO = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
-             dtype="float32", param_dtype="float32")
 
 # (command, fault, argv, environment, fragments of the one line); in argv and fragments "{missing}" is a folder that
 # does not exist, "{blocked}" a path below a plain file (nothing can be created there), "{out}" a fresh folder,
@@ -99,17 +97,10 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(mismatched_checkpoints):
     """Two tiny Hugging Face model folders whose vocabularies differ (300 and 400 tokens)."""
-    from flax import nnx
-
-    from jaxopd.models.decoder import CausalLM, ModelConfig
-    from jaxopd.models.weights import save_model
-
-    root = tmp_path_factory.mktemp("vocabularies")
-    save_model(CausalLM(ModelConfig(vocab_size=300, **MICRO), rngs=nnx.Rngs(0)), root / "student")
-    save_model(CausalLM(ModelConfig(vocab_size=400, **MICRO), rngs=nnx.Rngs(1)), root / "teacher")
-    return {"student": str(root / "student"), "teacher": str(root / "teacher")}
+    student, teacher = mismatched_checkpoints
+    return {"student": str(student), "teacher": str(teacher)}
 
 
 def _places(tmp_path: Path, checkpoints: dict[str, str] | None) -> dict[str, str]:

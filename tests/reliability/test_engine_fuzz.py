@@ -21,14 +21,14 @@ from bench.fuzz_engine import (
     names_field,
     run_engine_fuzz,
 )
-from jaxopd.models.decoder import CausalLM, ModelConfig
+from jaxopd.models.decoder import CausalLM
+from micro_models import SMALL, micro_config
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 from jaxopd.sampler.types import Result, Timings
 
 pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 
-TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
-                   vocab_size=64, dtype="float32", param_dtype="float32")
+TINY = micro_config(SMALL, vocab_size=64)
 TINY_ENGINE = EngineConfig(max_slots=4, page_size=16, num_pages=32, max_seq_len=64, prefill_chunk=32,
                            max_prefill_tokens=32, max_prefill_rows=4, eos_token_ids=())
 # The fast fuzz: 4 slots, 64-token sequences of 4 pages, 11 usable pages; 5 shapes to compile

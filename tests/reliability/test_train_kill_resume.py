@@ -36,28 +36,19 @@ RESUMED = re.compile(r"resumed from the checkpoint of update (\d+)")
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, micro_checkpoints):
     pytest.importorskip("alfworld")
-    from flax import nnx
-
     from jaxopd_envs import alfworld_gen
-    from jaxopd.models.decoder import CausalLM, ModelConfig
-    from jaxopd.models.weights import save_model
-    from jaxopd.tokenizer import QWEN3_VOCAB_SIZE
 
-    base = tmp_path_factory.mktemp("kill_resume")
-    micro = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
-                        vocab_size=QWEN3_VOCAB_SIZE, dtype="float32", param_dtype="float32")
-    save_model(CausalLM(micro, rngs=nnx.Rngs(0)), base / "student")
-    save_model(CausalLM(micro, rngs=nnx.Rngs(1)), base / "teacher")
-    games = alfworld_gen.ensure_games(base / "games", seed=0, counts={"train": 2, "valid_seen": 0, "valid_unseen": 0},
-                                      workers=1, progress=False)
-    return base, Path(games)
+    games = alfworld_gen.ensure_games(tmp_path_factory.mktemp("kill_resume") / "games", seed=0,
+                                      counts={"train": 2, "valid_seen": 0, "valid_unseen": 0}, workers=1,
+                                      progress=False)
+    return micro_checkpoints, Path(games)
 
 
-def command(base: Path, out: Path) -> list[str]:
+def command(models: tuple[Path, Path], out: Path) -> list[str]:
     return [sys.executable, "-m", "experiments.train", "--method", "vanilla-opd", "--preset", "cpu",
-            "--games", "official", "--student", str(base / "student"), "--teacher", str(base / "teacher"),
+            "--games", "official", "--student", str(models[0]), "--teacher", str(models[1]),
             "--out", str(out), "--updates", str(UPDATES), "--batch-size", "4", "--rollout-slots", "2",
             "--rollout-mode", "sync", "--checkpoint-every", "1", "--max-turns", "2",
             "--max-prompt-tokens", "1536", "--max-train-tokens", "1600", "--first-stage-tokens", "8",
@@ -155,11 +146,11 @@ def kill_at(process: subprocess.Popen, out: Path, phase: str, update: int, rng: 
 
 
 def test_sigkill_five_times_and_resume_gives_the_uninterrupted_losses(setup, tmp_path):
-    base, games = setup
+    models, games = setup
     env = environment(games)
 
     reference_out = tmp_path / "uninterrupted"
-    done = subprocess.run(command(base, reference_out), cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run(command(models, reference_out), cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     reference = {r["step"]: r["loss"] for r in read_jsonl(reference_out / "train.jsonl")}
@@ -172,7 +163,7 @@ def test_sigkill_five_times_and_resume_gives_the_uninterrupted_losses(setup, tmp
     for index, target in enumerate(PLAN):
         log = tmp_path / f"run{index}.log"
         with open(log, "w") as handle:
-            process = subprocess.Popen(command(base, out), cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
+            process = subprocess.Popen(command(models, out), cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
                                        text=True)
             try:
                 kill = kill_at(process, out, target, progress + OFFSET[target], rng)
@@ -190,7 +181,7 @@ def test_sigkill_five_times_and_resume_gives_the_uninterrupted_losses(setup, tmp
         assert kill["child_processes_left"] == 0, f"child processes outlived the killed run: {kill}"
         progress = kill["complete_after_kill"][-1]
 
-    final = subprocess.run(command(base, out), cwd=ROOT, env=env, capture_output=True, text=True,
+    final = subprocess.run(command(models, out), cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=RUN_TIMEOUT_S)
     assert final.returncode == 0, final.stderr[-3000:]
     resumed = RESUMED.search(final.stdout)

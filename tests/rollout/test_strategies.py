@@ -722,10 +722,10 @@ def test_response_records_validate_their_arrays():
 # ----------------------------------------------------------------------------------------------------------- scoring
 @pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 def test_dense_teacher_scorer_matches_a_dense_forward():
-    from jaxopd.models.decoder import CausalLM, ModelConfig
+    from jaxopd.models.decoder import CausalLM
+    from micro_models import TWO_LAYER, micro_config
 
-    config = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
-                         vocab_size=256, dtype="float32", param_dtype="float32")
+    config = micro_config(TWO_LAYER, vocab_size=256)
     model = CausalLM(config, rngs=nnx.Rngs(1))
     rng = np.random.default_rng(0)
     prompt, completion = rng.integers(0, 256, 37).tolist(), rng.integers(0, 256, 11).tolist()

@@ -14,11 +14,12 @@ import shutil
 import numpy as np
 import pytest
 from flax import nnx
+from micro_models import MICRO, micro_config
 from tests.rollout.test_strategies import ScriptedEngine, full_text
 
 from jaxopd_envs.pool import EnvPool
 from jaxopd_envs.references import build_reference
-from jaxopd.models.decoder import CausalLM, ModelConfig
+from jaxopd.models.decoder import CausalLM
 from jaxopd.rollout.scoring import DenseTeacherScorer
 from jaxopd.rollout.strategies import (
     ActFirstStrategy,
@@ -40,8 +41,7 @@ pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run 
 
 # The tokenizer's 151,669 ids and no padding rows: a random model samples Qwen3's 267 padding rows (151669..151935)
 # about once in 570 tokens, and the tokenizer refuses to decode them.
-MICRO = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
-                    vocab_size=QWEN3_VOCAB_SIZE, dtype="float32", param_dtype="float32")
+CONFIG = micro_config(MICRO, vocab_size=QWEN3_VOCAB_SIZE)
 ENGINE = EngineConfig(max_slots=8, page_size=64, num_pages=8 * 32 + 1, max_seq_len=2048, prefill_chunk=256,
                       max_prefill_tokens=256, max_prefill_rows=2)
 BUDGET = ThinkingBudget(first_stage_tokens=8, total_tokens=48, second_stage_max_tokens=4)
@@ -56,12 +56,12 @@ def tok():
 
 @pytest.fixture(scope="module")
 def teacher_model():
-    return CausalLM(MICRO, rngs=nnx.Rngs(1))
+    return CausalLM(CONFIG, rngs=nnx.Rngs(1))
 
 
 @pytest.fixture(scope="module")
 def student_model():
-    return CausalLM(MICRO, rngs=nnx.Rngs(0))
+    return CausalLM(CONFIG, rngs=nnx.Rngs(0))
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +73,10 @@ def engines(tok, student_model, teacher_model):
 
 
 @pytest.fixture(scope="module")
-def alfworld(tmp_path_factory):
-    pytest.importorskip("alfworld")
-    from jaxopd_envs import alfworld_gen
+def alfworld(alfworld_games):
     from jaxopd_envs.alfworld import AlfWorldEnv
 
-    root = alfworld_gen.ensure_games(tmp_path_factory.mktemp("strategy_games"), seed=0,
-                                     counts={"train": 1, "valid_seen": 0, "valid_unseen": 0}, workers=1,
-                                     progress=False)
-    factory = functools.partial(AlfWorldEnv, root)
+    factory = functools.partial(AlfWorldEnv, alfworld_games)
     with factory() as env:
         task = env.tasks("train")[0]
         reference = build_reference(env, task)
@@ -155,7 +150,7 @@ def run_and_check(name, engines, tok, teacher_model, environment, benchmark):
     assert trajectory.end_reason in END_REASONS and 1 <= trajectory.num_turns <= COMMON["max_turns"]
     assert pool.trajectory(0).actions == trajectory.actions               # the turns are what the env executed
     samples = collection_samples([trajectory]) if name == "actionopd" else trajectory.samples()
-    check_samples(trajectory, samples, MICRO.vocab_size)
+    check_samples(trajectory, samples, CONFIG.vocab_size)
     assert {s.policy_version for s in samples} == {2}
     quality = rollout_quality([trajectory])
     assert quality.num_tasks == 1 and quality.mean_turns == trajectory.num_turns

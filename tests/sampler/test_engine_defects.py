@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxopd.models.decoder import CausalLM, ModelConfig
+from jaxopd.models.decoder import CausalLM
+from micro_models import SMALL, micro_config
 from jaxopd.rollout.thinking import ThinkingBudget, submit_budgeted
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams, SimulatedEngine
 from jaxopd.sampler.buckets import Buckets
 
-CFG = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
-                  vocab_size=64, dtype="float32", param_dtype="float32")
+CFG = micro_config(SMALL, vocab_size=64)
+MODEL_SEED = 0      # the `model` fixture (conftest): CausalLM(CFG) from this seed
 # decode (4 rows, 4 pages); prefill (1, 16), (1, 32), (2, 16): four compilations in all
 REAL = EngineConfig(max_slots=4, page_size=16, num_pages=32, max_seq_len=64, prefill_chunk=32,
                     max_prefill_tokens=32, max_prefill_rows=4, eos_token_ids=())
@@ -98,11 +99,6 @@ class Script:
             if batch.active[i]:
                 out[i] = self._token(self.page_key[int(batch.page_table[i, 0])], int(batch.positions[i]) + 1)
         return out, np.zeros(len(out), np.float32)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return CausalLM(CFG, rngs=nnx.Rngs(0))
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ import pytest
 from flax import nnx
 
 from jaxopd.models.logprobs import token_log_probs
-from jaxopd.models.decoder import CausalLM, ModelConfig
+from jaxopd.models.decoder import CausalLM
+from micro_models import MICRO, micro_config
 from jaxopd.models.sharding import copy_to, named_shardings
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 from jaxopd.sampler.executor import DecodeBatch
@@ -31,8 +32,7 @@ from jaxopd.train.sync import WeightSync
 pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 
 VOCAB = 512
-CFG = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
-                  vocab_size=VOCAB, dtype="float32", param_dtype="float32")
+CFG = micro_config(MICRO, vocab_size=VOCAB)
 ENGINE = EngineConfig(max_slots=8, page_size=16, num_pages=8 * 8 + 1, max_seq_len=128, prefill_chunk=128,
                       max_prefill_tokens=1024, max_prefill_rows=4, eos_token_ids=(VOCAB - 1,), scoring=False)
 

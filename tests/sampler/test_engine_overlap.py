@@ -9,22 +9,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxopd.models.decoder import CausalLM, ModelConfig
+from jaxopd.models.decoder import CausalLM
+from micro_models import SMALL, micro_config
 from engine_requests import CharTokenizer, request_mix
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 
 pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 
 VOCAB = 64
-CFG = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
-                  vocab_size=VOCAB, dtype="float32", param_dtype="float32")
+CFG = micro_config(SMALL, vocab_size=VOCAB)
+MODEL_SEED = 7      # the `model` fixture (conftest): CausalLM(CFG) from this seed
 BASE = EngineConfig(max_slots=8, page_size=4, num_pages=256, max_seq_len=128, prefill_chunk=16,
                     max_prefill_tokens=64, max_prefill_rows=4, eos_token_ids=(5,))
-
-
-@pytest.fixture(scope="module")
-def model():
-    return CausalLM(CFG, rngs=nnx.Rngs(7))
 
 
 def requests(n, seed):
@@ -105,11 +101,9 @@ def test_overlapped_steps_compile_nothing_after_warmup():
     which warm-up must compile too (it did not, and every row bucket compiled twice more during serving)."""
     from flax import nnx
 
-    from jaxopd.models.decoder import CausalLM, ModelConfig
     from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 
-    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
-                      vocab_size=256, max_position_embeddings=4096, dtype="float32", param_dtype="float32")
+    cfg = micro_config(SMALL, vocab_size=256, max_position_embeddings=4096)
     config = EngineConfig(max_slots=16, page_size=16, num_pages=16 * 7 + 1, max_seq_len=112, prefill_chunk=16,
                           max_prefill_tokens=16 * 64, max_prefill_rows=64, eos_token_ids=(), overlap=True)
     with Engine(CausalLM(cfg, rngs=nnx.Rngs(3)), config) as engine:

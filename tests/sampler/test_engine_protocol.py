@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxopd.models.decoder import CausalLM, ModelConfig
+from jaxopd.models.decoder import CausalLM
+from micro_models import SMALL, micro_config
 from jaxopd.sampler import (POLICIES, Engine, EngineConfig, EngineProtocol, Request, SamplingParams,
                             SchedulingPolicy, SimulatedEngine)
 from jaxopd.sampler.scheduler import scheduling_policy
 
-CFG = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
-                  vocab_size=64, dtype="float32", param_dtype="float32")
+CFG = micro_config(SMALL, vocab_size=64)
 PROTOCOL_MEMBERS = ("submit", "submit_async", "abort", "max_concurrency", "update_weights", "wait_idle", "events")
 
 

@@ -6,26 +6,20 @@ import dataclasses
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxopd_kernels import registry as kernels
-from jaxopd.models.decoder import CausalLM, ModelConfig
+from micro_models import TWO_LAYER, micro_config
 from engine_requests import CharTokenizer, request_mix
 from jaxopd.sampler import Engine, EngineConfig
 
 pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 
 VOCAB = 64
-CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
-                  vocab_size=VOCAB, dtype="float32", param_dtype="float32")
+CFG = micro_config(TWO_LAYER, vocab_size=VOCAB)
+MODEL_SEED = 11      # the `model` fixture (conftest): CausalLM(CFG) from this seed
 BASE = EngineConfig(max_slots=8, page_size=4, num_pages=256, max_seq_len=128, prefill_chunk=16,
                     max_prefill_tokens=64, max_prefill_rows=4, eos_token_ids=(5,), attention_backend="reference")
 LOGPROB_TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def model():
-    return CausalLM(CFG, rngs=nnx.Rngs(11))
 
 
 def requests(n, seed, score_every=0, max_new=40):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxopd.models.decoder import CausalLM, ModelConfig
+from micro_models import MEDIUM, micro_config
 from jaxopd.rollout.thinking import ThinkingBudget, submit_budgeted
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 from jaxopd.sampler.allocator import OutOfPages, PageAllocator
@@ -18,15 +18,10 @@ from jaxopd.sampler.sampling import counter_uniform, sample_tokens
 
 VOCAB = 512
 MAX_SEQ = 400
-CFG = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                  vocab_size=VOCAB, dtype="float32", param_dtype="float32")
+CFG = micro_config(MEDIUM, vocab_size=VOCAB)
+MODEL_SEED = 3      # the `model` fixture (conftest): CausalLM(CFG) from this seed
 ENGINE = EngineConfig(max_slots=32, page_size=16, num_pages=1024, max_seq_len=MAX_SEQ, prefill_chunk=128,
                       max_prefill_tokens=512, eos_token_ids=())
-
-
-@pytest.fixture(scope="module")
-def model():
-    return CausalLM(CFG, rngs=nnx.Rngs(3))
 
 
 @pytest.fixture(scope="module")

@@ -13,24 +13,20 @@ import pytest
 from flax import nnx
 
 from engine_requests import CharTokenizer, request_mix
-from jaxopd.models.decoder import CausalLM, ModelConfig
+from jaxopd.models.decoder import CausalLM
+from micro_models import TWO_LAYER, micro_config
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 from jaxopd.sampler.executor import LayerScan
 
 pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 
 VOCAB = 64
-CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
-                  vocab_size=VOCAB, dtype="float32", param_dtype="float32")
+CFG = micro_config(TWO_LAYER, vocab_size=VOCAB)
+MODEL_SEED = 3      # the `model` fixture (conftest): CausalLM(CFG) from this seed
 # few buckets: every shape compiles twice (unrolled and scanned) on a 2-core machine
 BASE = EngineConfig(max_slots=4, page_size=8, num_pages=64, max_seq_len=64, prefill_chunk=16,
                     max_prefill_tokens=32, max_prefill_rows=2, eos_token_ids=(5,), attention_backend="reference")
 LOGPROB_TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def model():
-    return CausalLM(CFG, rngs=nnx.Rngs(3))
 
 
 def run(model, config, reqs, *, update=None, warm=False):

@@ -3,23 +3,17 @@ recompute (``DenseTeacherScorer``), prefix-page sharing, no recompilation after 
 engine-backed ``EngineTeacherScorer``."""
 import numpy as np
 import pytest
-from flax import nnx
 
-from jaxopd.models.decoder import CausalLM, ModelConfig
+from micro_models import MEDIUM, micro_config
 from jaxopd.rollout.scoring import DenseTeacherScorer, EngineTeacherScorer, TeacherScorer
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
 
 VOCAB = 512
-CFG = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                  vocab_size=VOCAB, dtype="float32", param_dtype="float32")
+CFG = micro_config(MEDIUM, vocab_size=VOCAB)
+MODEL_SEED = 5      # the `model` fixture (conftest): CausalLM(CFG) from this seed
 ENGINE = EngineConfig(max_slots=8, page_size=8, num_pages=256, max_seq_len=160, prefill_chunk=32,
                       max_prefill_tokens=128, eos_token_ids=())
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def model():
-    return CausalLM(CFG, rngs=nnx.Rngs(5))
 
 
 @pytest.fixture(scope="module")
