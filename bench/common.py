@@ -26,8 +26,9 @@ def sft_train_step(model: Any, loss_config: Any, *, learning_rate: float = 1e-4)
     from flax import nnx
 
     from jaxopd.train.mesh import RolePlan, build_meshes
-    from jaxopd.train.step import (OptimizerConfig, batch_shardings, init_train_state, make_optimizer,
-                                   make_train_step, train_state_shardings)
+    from jaxopd.train.state import (OptimizerConfig, batch_shardings, init_train_state, make_optimizer,
+                                    train_state_shardings)
+    from jaxopd.train.step import make_train_step
 
     meshes = build_meshes(RolePlan.for_device_count(len(jax.devices())))
     graphdef, params = nnx.split(model, nnx.Param)

@@ -36,7 +36,8 @@ def child(args) -> dict:
     from jaxopd.models.decoder import CausalLM, ModelConfig
     from bench.common import sft_train_step
     from jaxopd.train.buffer import Sample, collate_samples
-    from jaxopd.train.step import LossConfig, place_batch
+    from jaxopd.train.state import place_batch
+    from jaxopd.train.step import LossConfig
 
     tuned = tune_malloc()
     model = CausalLM(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))

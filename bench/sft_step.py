@@ -4,7 +4,7 @@ The samples are an SFT corpus of the searching expert's
 won turns of the generated ALFWorld training games, rendered with ``--thinking`` under a 1,024-token prompt
 budget (on a fresh machine the games and the expert's references are made first, about 15 minutes on 2 cores).
 Both arms serve the same epoch of ``SFTDataset`` (seed 0, batch ``--batch-size``): ``group_by_length=0`` (plain)
-and ``group_by_length=--window``. Each batch is padded as ``train_sft`` pads it (``loop.batch_length``: a
+and ``group_by_length=--window``. Each batch is padded as ``train_sft`` pads it (``Learner``'s ``batch_length``: a
 multiple of 128 tokens, at most ``max_train_tokens``) and trained by the same jitted step (``make_train_step``
 with the ``sft`` loss, its context term over the corpus vocabulary and ``--max-supervised-tokens`` supervised
 positions per row). Every batch length either arm uses is compiled first and not timed; then the arms alternate
@@ -27,7 +27,7 @@ from jaxopd.machine import machine_info
 def parse_args(argv=None):
     p = cli.Parser(prog="python -m bench.sft_step", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="jaxopd model preset (random weights; the recipe's is tiny)")
-    p.add_argument("--thinking", default="task-tool-act-here", help="SFT thinking of the corpus")
+    p.add_argument("--thinking", default="plan", help="SFT thinking of the corpus")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--window", type=int, default=32, help="group_by_length: batches per sorted window")
     p.add_argument("--steps", type=int, default=16, help="timed steps per arm")
@@ -51,7 +51,7 @@ def check_args(args) -> None:
 def corpus(args):
     from jaxopd.methods.benchmarks import GeneratedCounts, resolve_source
     from jaxopd.methods.config import build_config
-    from jaxopd.methods.sft import sft_corpus
+    from jaxopd.methods.sft_data import sft_corpus
     from jaxopd.tokenizer import Qwen3Tokenizer
 
     config = build_config("sft", preset="cpu", sft_demonstrations="searching-expert", sft_thinking=args.thinking,
@@ -66,12 +66,12 @@ def main(argv=None):
     import jax
     from flax import nnx
 
-    from jaxopd.methods.loop import batch_length
-    from jaxopd.methods.sft import corpus_vocabulary
     from jaxopd.methods.sft_data import SFTDataset
     from jaxopd.models.decoder import CausalLM, ModelConfig
     from jaxopd.train.buffer import collate_samples
-    from jaxopd.train.step import LossConfig, place_batch
+    from jaxopd.train.learner import batch_length
+    from jaxopd.train.state import place_batch
+    from jaxopd.train.step import LossConfig
 
     config, samples = corpus(args)
     arms = {"plain": SFTDataset(samples, args.batch_size, seed=0),
@@ -86,7 +86,8 @@ def main(argv=None):
 
     model = CausalLM(ModelConfig.preset(args.model), rngs=nnx.Rngs(0))
     loss_config = LossConfig(kind="sft", temperature=1.0, max_supervised_tokens=args.max_supervised_tokens,
-                             context_lm_weight=1.0, context_vocab=corpus_vocabulary(samples))
+                             context_lm_weight=1.0,
+                             context_vocab=tuple(sorted({int(t) for s in samples for t in s.tokens})))
     train_step, state, rows = sft_train_step(model, loss_config)
 
     # the padded batches of the timed steps, and one compile per batch length either arm uses

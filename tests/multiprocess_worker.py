@@ -93,8 +93,9 @@ def main(argv=None):
 
     from jaxopd.train.buffer import collate_samples
     from jaxopd.train.mesh import RolePlan, build_meshes
-    from jaxopd.train.step import (LossConfig, OptimizerConfig, batch_shardings, init_train_state, make_optimizer,
-                                   make_train_step, train_state_shardings)
+    from jaxopd.train.state import (OptimizerConfig, batch_shardings, init_train_state, make_optimizer,
+                                    train_state_shardings)
+    from jaxopd.train.step import LossConfig, make_train_step
 
     assert jax.process_count() == args.num_processes, (jax.process_count(), args.num_processes)
     assert jax.local_device_count() == 1, jax.local_devices()

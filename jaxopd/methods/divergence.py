@@ -24,7 +24,7 @@ from jaxopd.losses import reverse_kl_from_log_probs, top_k_reverse_kl, top_k_wit
 from jaxopd.models.logprobs import tempered_log_softmax
 from jaxopd.models.decoder import dense_causal_attend
 from jaxopd.train.buffer import Sample, collate_samples
-from jaxopd.train.step import supervised_order
+from jaxopd.train.logprobs import supervised_order
 
 __all__ = ["exact_reverse_kl", "supervised_log_softmax", "top_k_agreement"]
 

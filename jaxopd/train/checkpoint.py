@@ -19,7 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxopd.train.buffer import SampleBuffer
-from jaxopd.train.step import TrainState
+from jaxopd.train.state import TrainState
 
 _STATE = "train_state"
 _BUFFER_ARRAYS = "buffer_arrays"
@@ -143,7 +143,7 @@ class TrainCheckpointer:
 
     def restore(self, abstract_state: TrainState, step: int | None = None) -> RestoredRun:
         """Restores ``step`` (default: the latest) into ``abstract_state``'s shapes, dtypes and shardings
-        (see ``jaxopd.train.step.abstract_train_state``)."""
+        (see ``jaxopd.train.state.abstract_train_state``)."""
         step = self.latest_step() if step is None else int(step)
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {self.directory!r}")

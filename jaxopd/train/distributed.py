@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxopd.train.buffer import TrainBatch
-from jaxopd.train.step import _check_rows_divide
+from jaxopd.train.state import check_rows_divide
 
 ENV_COORDINATOR = "JAXOPD_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXOPD_NUM_PROCESSES"
@@ -178,7 +178,7 @@ def process_local_rows(global_rows: int, sharding: NamedSharding | None = None) 
                              f"processes; use a multiple of {count}")
         per_process = global_rows // count
         return slice(index * per_process, (index + 1) * per_process)
-    _check_rows_divide(global_rows, sharding)
+    check_rows_divide(global_rows, sharding)
     row_sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:1]))
     starts_stops = set()
     for device, index in row_sharding.devices_indices_map((global_rows,)).items():
@@ -214,7 +214,7 @@ def global_batch(local_batch: TrainBatch, shardings: TrainBatch, global_rows: in
             raise ValueError(f"global_batch: process {jax.process_index()} must supply rows "
                              f"[{expected.start}, {expected.stop}) = {local_rows} rows of the {global_rows}-row "
                              f"batch, but its {field.name} has shape {local.shape}")
-        _check_rows_divide(global_rows, sharding)
+        check_rows_divide(global_rows, sharding)
         out[field.name] = jax.make_array_from_process_local_data(sharding, local,
                                                                  (global_rows,) + local.shape[1:])
     return TrainBatch(**out)

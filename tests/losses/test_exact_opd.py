@@ -14,9 +14,10 @@ from jaxopd.models.decoder import dense_causal_attend
 from jaxopd.methods.config import build_config
 from jaxopd.methods.divergence import exact_reverse_kl
 from jaxopd.train.buffer import collate_samples
-from jaxopd.train.step import (LossConfig, batch_loss, batch_shardings, init_train_state, make_teacher_scorer,
-                               make_train_step, place_batch, score_batch, supervised_dense_log_probs,
-                               train_state_shardings)
+from jaxopd.train.logprobs import supervised_dense_log_probs
+from jaxopd.train.scoring import make_teacher_scorer, score_batch
+from jaxopd.train.state import batch_shardings, init_train_state, place_batch, train_state_shardings
+from jaxopd.train.step import LossConfig, batch_loss, make_train_step
 from tests.train.test_train_step import TINY, make_mesh, padded
 from tests.train.test_train_step import setup  # noqa: F401  (the module fixture: 8 rows of random tokens, two random models)
 
@@ -274,7 +275,7 @@ def test_top_k_agreement_on_held_out_states(setup):  # noqa: F811
     """divergence.top_k_agreement: K = V - 1 leaves one id as the rest, so the coarse KL is the exact one (share
     1, cosine 1); smaller K keep the share the numpy coarse KL of the two models' log-softmax gives."""
     from jaxopd.methods.divergence import supervised_log_softmax, top_k_agreement
-    from jaxopd.train.step import supervised_order
+    from jaxopd.train.logprobs import supervised_order
 
     graphdef, samples = setup["graphdef"], setup["samples"]
     result = top_k_agreement((graphdef, setup["student"]), (graphdef, setup["teacher"]), samples,

@@ -28,7 +28,7 @@ from jaxopd_envs.base import Observation, Task, TextEnv
 from jaxopd import losses
 from jaxopd.methods.benchmarks import BenchmarkSource
 from jaxopd.methods.config import build_config
-from jaxopd.methods.loop import Trainer, batch_length
+from jaxopd.methods.loop import Trainer
 from jaxopd.methods.metrics_log import read_jsonl
 from jaxopd.methods.registry import make_method
 from jaxopd.models.decoder import CausalLM, ModelConfig
@@ -112,14 +112,15 @@ def test_a_teacher_equal_to_the_student_gives_zero_kl_and_no_gradient_in_the_loo
 
 
 class LoopParts:
-    """The loop's own training pieces for ``config`` (``Trainer._run``'s set-up): optimizer, shardings, train step,
+    """The loop's own training pieces for ``config`` (the ``Learner``'s set-up): optimizer, shardings, train step,
     teacher scorer; to recompute what the loop logged, outside it."""
 
     def __init__(self, config, student, teacher):
         from jaxopd.models.sharding import copy_to, named_shardings
         from jaxopd.train.mesh import RolePlan, build_meshes
-        from jaxopd.train.step import (OptimizerConfig, batch_shardings, make_optimizer, make_teacher_scorer,
-                                       make_train_step, train_state_shardings)
+        from jaxopd.train.scoring import make_teacher_scorer
+        from jaxopd.train.state import OptimizerConfig, batch_shardings, make_optimizer, train_state_shardings
+        from jaxopd.train.step import make_train_step
 
         self.config = config
         self.loss_config = make_method(config).loss_config()
@@ -141,13 +142,14 @@ class LoopParts:
                                           max_supervised_tokens=self.loss_config.max_supervised_tokens)
 
     def initial_state(self):
-        from jaxopd.train.step import init_train_state
+        from jaxopd.train.state import init_train_state
         return init_train_state(self.params, self.optimizer, self.state_shardings)
 
     def step(self, state, samples):
         """Collate ``samples`` as the loop does, score them with the teacher and take one step: metrics."""
         from jaxopd.train.buffer import collate_samples
-        from jaxopd.train.step import score_batch
+        from jaxopd.train.learner import batch_length
+        from jaxopd.train.scoring import score_batch
 
         host = collate_samples(samples, batch_size=self.config.batch_size,
                                length=batch_length(max(len(s) for s in samples), self.config.max_train_tokens))
@@ -158,7 +160,7 @@ class LoopParts:
 
 def test_a_checkpointed_batch_rescored_and_restepped_gives_the_logged_loss(tokenizer, tmp_path):
     from jaxopd.train.checkpoint import TrainCheckpointer
-    from jaxopd.train.step import abstract_train_state
+    from jaxopd.train.state import abstract_train_state
 
     out = tmp_path / "run"
     config, records = run_trainer("vanilla-opd", out, tokenizer, teacher_seed=1)

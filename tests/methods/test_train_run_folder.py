@@ -76,7 +76,7 @@ def _checkpoint_with_config(folder: Path, config, step: int = 2) -> None:
 
     from jaxopd.train.checkpoint import TrainCheckpointer
     from jaxopd.train.mesh import RolePlan, build_meshes
-    from jaxopd.train.step import OptimizerConfig, init_train_state, make_optimizer, train_state_shardings
+    from jaxopd.train.state import OptimizerConfig, init_train_state, make_optimizer, train_state_shardings
 
     _, params = nnx.split(CausalLM(MICRO, rngs=nnx.Rngs(0)), nnx.Param)
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-3))
@@ -124,7 +124,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over(tmp_path, damage):
 
     from jaxopd.train.checkpoint import TrainCheckpointer
     from jaxopd.train.mesh import RolePlan, build_meshes
-    from jaxopd.train.step import OptimizerConfig, abstract_train_state, make_optimizer, train_state_shardings
+    from jaxopd.train.state import OptimizerConfig, abstract_train_state, make_optimizer, train_state_shardings
 
     config = build_config("vanilla-opd", preset="cpu", updates=4)
     _checkpoint_with_config(tmp_path, config, step=2)
@@ -249,7 +249,7 @@ def test_sigterm_stops_a_training_command_with_a_checkpoint(loop_parts, tmp_path
 
     loop, source, _ = loop_parts
     from jaxopd.tokenizer import QWEN3_VOCAB_SIZE
-    micro = ModelConfig(**{**MICRO.__dict__, "vocab_size": QWEN3_VOCAB_SIZE, "token_map": None})
+    micro = ModelConfig(**{**MICRO.__dict__, "vocab_size": QWEN3_VOCAB_SIZE})
     save_model(CausalLM(micro, rngs=nnx.Rngs(0)), tmp_path / "student")
     save_model(CausalLM(micro, rngs=nnx.Rngs(1)), tmp_path / "teacher")
     out, phases = tmp_path / "run", tmp_path / "phases"

@@ -1,4 +1,4 @@
-"""Backpressure of the training loop's async rollout runners (``jaxopd.methods.loop._Runners``): with a backlog
+"""Backpressure of the training loop's async rollout runners (``jaxopd.methods.sources.RolloutRunners``): with a backlog
 bound, runners start episodes only while the samples ahead of the trainer stay below it, one episode may always
 run, and without a bound every slot plays."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from jaxopd.methods.config import build_config
-from jaxopd.methods.loop import _Runners
+from jaxopd.methods.sources import RolloutRunners
 
 
 class GatedStrategy:
@@ -50,7 +50,7 @@ def take(runners, samples, queued):
 def test_backlog_bounds_the_episodes_in_flight():
     strategy = GatedStrategy()
     # 4 slots, a backlog of 4 samples, 2 samples per episode expected: 0 + 1 * 2 < 4 lets a second start, not a third
-    runners = _Runners(strategy, 4, lambda i: (None, None, i), 0, backlog=4, per_episode=2)
+    runners = RolloutRunners(strategy, 4, lambda i: (None, None, i), 0, backlog=4, per_episode=2)
     try:
         runners.resume()
         assert wait_until(lambda: len(strategy.started) == 2)
@@ -82,7 +82,7 @@ def test_backlog_bounds_the_episodes_in_flight():
 def test_per_episode_estimate_follows_delivered_episodes():
     strategy = GatedStrategy()
     # a first guess of 10 samples an episode: one at a time under a backlog of 10
-    runners = _Runners(strategy, 3, lambda i: (None, None, i), 0, backlog=10, per_episode=10)
+    runners = RolloutRunners(strategy, 3, lambda i: (None, None, i), 0, backlog=10, per_episode=10)
     try:
         runners.resume()
         assert wait_until(lambda: len(strategy.started) == 1)
@@ -101,7 +101,7 @@ def test_per_episode_estimate_follows_delivered_episodes():
 
 def test_no_backlog_plays_every_slot_and_failed_episodes_free_room():
     strategy = GatedStrategy()
-    runners = _Runners(strategy, 3, lambda i: (None, None, i), 0, backlog=None)
+    runners = RolloutRunners(strategy, 3, lambda i: (None, None, i), 0, backlog=None)
     try:
         runners.resume()
         assert wait_until(lambda: runners.max_busy == 3)
@@ -110,7 +110,7 @@ def test_no_backlog_plays_every_slot_and_failed_episodes_free_room():
         runners.close()
 
     strategy = GatedStrategy()
-    runners = _Runners(strategy, 2, lambda i: (None, None, i), 0, backlog=3, per_episode=2)
+    runners = RolloutRunners(strategy, 2, lambda i: (None, None, i), 0, backlog=3, per_episode=2)
     try:
         runners.resume()
         assert wait_until(lambda: len(strategy.started) == 2)   # 0 + 1 * 2 < 3
@@ -152,7 +152,7 @@ def test_a_task_whose_reference_fails_fails_its_episode_and_the_runners_go_on():
             raise ReferenceBuildError("no reference for task 1: replay did not reach success")
         return None, None, index
 
-    runners = _Runners(Plain(), 1, task_at, 0)
+    runners = RolloutRunners(Plain(), 1, task_at, 0)
     try:
         runners.resume()
         got = [runners.results.get(timeout=10) for _ in range(3)]
@@ -163,22 +163,21 @@ def test_a_task_whose_reference_fails_fails_its_episode_and_the_runners_go_on():
 
 
 def test_sync_waves_leave_out_a_task_whose_reference_fails():
-    """The sync and collection path (``Trainer._picks``): the failing task is logged and left out of the wave,
+    """The sync and collection path (``TaskStream.picks``): the failing task is logged and left out of the wave,
     the others keep their order, and the failure is what a run that stalls reports."""
     from jaxopd_envs.references import ReferenceBuildError
-    from jaxopd.methods.loop import Trainer
+    from jaxopd.methods.sources import TaskStream
 
-    trainer = object.__new__(Trainer)
     logged: list[str] = []
-    trainer.log, trainer._last_failure = logged.append, None
+    stream = TaskStream([], 0, None, logged.append)
 
     def task_at(index):
         if index == 5:
             raise ReferenceBuildError("no reference for task 5: replay did not reach success")
         return f"task {index}", None, index
 
-    trainer._task_at = task_at
-    assert trainer._picks(range(4, 7)) == [("task 4", None, 4), ("task 6", None, 6)]
+    stream.at = task_at
+    assert stream.picks(range(4, 7)) == [("task 4", None, 4), ("task 6", None, 6)]
     assert logged == ["training episode 5 failed: ReferenceBuildError: no reference for task 5: replay did not "
                       "reach success"]
-    assert trainer._last_failure == "ReferenceBuildError: no reference for task 5: replay did not reach success"
+    assert stream.last_failure == "ReferenceBuildError: no reference for task 5: replay did not reach success"

@@ -18,7 +18,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from jaxopd.train import distributed
 from jaxopd.train.buffer import Sample, collate_samples
 from jaxopd.train.distributed import DistributedConfig, global_batch, host_params, process_local_rows
-from jaxopd.train.step import batch_shardings, place_batch
+from jaxopd.train.state import batch_shardings, place_batch
 
 pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 

@@ -15,9 +15,11 @@ from jaxopd.models.decoder import ModelConfig, abstract_model
 from jaxopd.models.sharding import named_shardings
 from jaxopd.train.buffer import Sample, collate_samples
 from jaxopd.train.mesh import RolePlan, build_meshes
-from jaxopd.train.step import (LossConfig, OptimizerConfig, batch_loss, batch_shardings, init_train_state,
-                               make_optimizer, make_teacher_scorer, make_train_step, place_batch,
-                               score_batch, sequence_log_probs, train_state_shardings)
+from jaxopd.train.logprobs import sequence_log_probs
+from jaxopd.train.scoring import make_teacher_scorer, score_batch
+from jaxopd.train.state import (OptimizerConfig, batch_shardings, init_train_state, make_optimizer, place_batch,
+                                train_state_shardings)
+from jaxopd.train.step import LossConfig, batch_loss, make_train_step
 
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
                    vocab_size=64, dtype="float32", param_dtype="float32")

@@ -11,8 +11,8 @@ from jaxopd.models.decoder import CausalLM, ModelConfig
 from jaxopd.models.sharding import named_shardings
 from jaxopd.train import RolePlan, build_meshes, make_teacher_scorer
 from jaxopd.train.buffer import Sample, collate_samples
-from jaxopd.train.step import (LossConfig, batch_loss, check_supervised_fit, sequence_log_probs,
-                               supervised_log_probs)
+from jaxopd.train.logprobs import check_supervised_fit, sequence_log_probs, supervised_log_probs
+from jaxopd.train.step import LossConfig, batch_loss
 
 CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
                   vocab_size=64, dtype="float32", param_dtype="float32")

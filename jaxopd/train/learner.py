@@ -1,0 +1,124 @@
+"""The student's side of a training run in one object, ``Learner``: used by the distillation loop and by SFT.
+
+Owns the train state on the trainer mesh and the one compiled step over it, the teacher's scorer and parameters on
+the teacher mesh (when the loss reads teacher log-probs), turning samples into a padded batch on the trainer mesh,
+the run's checkpoints (state, sample buffer, metadata) and pushing the current weights to a rollout engine.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+from flax import nnx
+
+from jaxopd.models.decoder import CausalLM
+from jaxopd.models.sharding import copy_to, named_shardings
+from jaxopd.train.buffer import Sample, SampleBuffer, TrainBatch, collate_samples
+from jaxopd.train.checkpoint import RestoredRun, TrainCheckpointer
+from jaxopd.train.logprobs import check_supervised_fit
+from jaxopd.train.mesh import RoleMeshes, RolePlan, build_meshes
+from jaxopd.train.scoring import make_teacher_scorer, score_batch
+from jaxopd.train.state import (OptimizerConfig, TrainState, abstract_train_state, batch_shardings, init_train_state,
+                                make_optimizer, place_batch, train_state_shardings)
+from jaxopd.train.step import LossConfig, make_train_step
+from jaxopd.train.sync import WeightSync
+
+
+def batch_length(longest: int, limit: int) -> int:
+    """Training batches are padded to a multiple of 128 tokens (at most ``limit`` rounded up to 16): few shapes,
+    little padding."""
+    return max(longest, min(-(-longest // 128) * 128, -(-limit // 16) * 16))
+
+
+class Learner:
+    """The student being trained: ``restore_or_init()``, then per update ``collate(samples)`` → ``place(batch)``
+    (teacher-scored when the loss needs it) → ``step(batch)`` → ``push(engine)``; ``save(buffer, metadata)`` writes a
+    checkpoint of ``version``, ``model()`` is the student with the current weights, ``close()`` ends the checkpoints.
+
+    ``loss`` / ``optimizer``: the step's loss and AdamW settings; ``checkpoints``: the folder of the run's
+    checkpoints (the newest ``keep_checkpoints`` kept); ``teacher``: the teacher model, needed when ``loss`` reads
+    teacher log-probs; ``batch_size`` rows of at most ``max_train_tokens`` tokens make a batch. ``meshes`` default to
+    the role plan of this host's devices.
+    """
+
+    def __init__(self, student: CausalLM, loss: LossConfig, optimizer: OptimizerConfig,
+                 checkpoints: str | os.PathLike, *, batch_size: int, max_train_tokens: int,
+                 teacher: CausalLM | None = None, keep_checkpoints: int | None = 3, meshes: RoleMeshes | None = None,
+                 log: Callable[[str], None] = print):
+        if loss.needs_teacher_logp and teacher is None:
+            raise ValueError(f"the {loss.kind} loss reads the teacher's log-probabilities: give the Learner a teacher")
+        self.loss_config, self.batch_size, self.max_train_tokens, self.log = loss, batch_size, max_train_tokens, log
+        self.meshes = meshes or build_meshes(RolePlan.for_device_count(len(jax.devices())))
+        self.graphdef, self._initial_params = nnx.split(student, nnx.Param)
+        self._optimizer = make_optimizer(optimizer)
+        self.state_shardings = train_state_shardings(self._initial_params, self._optimizer, self.meshes.trainer)
+        self.rows = batch_shardings(self.meshes.trainer)
+        self._train_step = make_train_step(self.graphdef, self._optimizer, loss, self.state_shardings, self.rows)
+        self._sync: WeightSync | None = None
+        self.scorer = self.teacher_params = None
+        if loss.needs_teacher_logp:
+            teacher_graphdef, teacher_state = nnx.split(teacher, nnx.Param)
+            teacher_shardings = named_shardings(teacher_state, self.meshes.teacher)
+            self.teacher_params = copy_to(teacher_state, teacher_shardings)
+            self.scorer = make_teacher_scorer(teacher_graphdef, teacher_shardings, self.meshes.teacher,
+                                              temperature=loss.temperature, logits_chunk_size=loss.logits_chunk_size,
+                                              max_supervised_tokens=loss.max_supervised_tokens,
+                                              dense=loss.needs_teacher_dense, top_k=loss.exact_top_k)
+        self.checkpointer = TrainCheckpointer(checkpoints, max_to_keep=keep_checkpoints)
+        self.state: TrainState | None = None
+        self.version = 0
+
+    def restore_or_init(self) -> RestoredRun | None:
+        """The newest readable checkpoint's state (damaged newer ones are logged and passed over), else a fresh one;
+        returns what was restored (its buffer and metadata), or None."""
+        restored = self.checkpointer.restore_latest(
+            abstract_train_state(self._initial_params, self._optimizer, self.state_shardings),
+            warn=lambda message: self.log(f"warning: {message}"))
+        self.state = (restored.state if restored is not None
+                      else init_train_state(self._initial_params, self._optimizer, self.state_shardings))
+        self.version = int(jax.device_get(self.state.step))
+        return restored
+
+    def collate(self, samples: Sequence[Sample]) -> TrainBatch:
+        """The host batch of ``samples``: ``batch_size`` rows padded to :func:`batch_length`; ``ValueError`` when a
+        row has more supervised tokens than the loss projects."""
+        batch = collate_samples(samples, batch_size=self.batch_size,
+                                length=batch_length(max(len(s) for s in samples), self.max_train_tokens))
+        check_supervised_fit(batch.loss_mask, self.loss_config.max_supervised_tokens)
+        return batch
+
+    def place(self, batch: TrainBatch) -> TrainBatch:
+        """``batch`` on the trainer mesh, with the teacher's log-probs filled in (and ready) when the loss reads
+        them."""
+        if self.scorer is None:
+            return place_batch(batch, self.rows)
+        batch = score_batch(self.scorer, self.teacher_params, batch, self.rows)
+        jax.block_until_ready(batch.teacher_logp)
+        return batch
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer update on ``batch``; the policy version moves on by one. Returns the step's metrics."""
+        self.state, metrics = self._train_step(self.state, batch)
+        self.version += 1
+        return {name: float(value) for name, value in jax.device_get(metrics).items()}
+
+    def push(self, engine: Any) -> None:
+        """The current weights to a rollout engine (``engine.update_weights``), tagged with the version."""
+        if self._sync is None:
+            self._sync = WeightSync.for_mesh(self._initial_params, self.meshes.rollout)
+        engine.update_weights(self._sync(self.state.params, self.version).params, version=self.version)
+
+    def save(self, buffer: SampleBuffer | None = None, metadata: Mapping[str, Any] | None = None) -> None:
+        """A checkpoint of the current version: the state, ``buffer`` and ``metadata``."""
+        self.checkpointer.save(self.state, buffer, dict(metadata or {}))
+
+    def model(self) -> CausalLM:
+        """The student with the current weights, on the host."""
+        return nnx.merge(self.graphdef, jax.device_get(self.state.params))
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+
+__all__ = ["Learner", "batch_length"]
