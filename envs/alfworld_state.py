@@ -8,7 +8,7 @@ hot or cool, how many goal objects it has put in place, the goal objects (and la
 object classes the engine just listed at an arrival or an opening (:func:`objects_listed`); and
 ``CHANGE_TOOLS``, the command verb and receptacle class that clean, heat or cool an object. Everything is read
 from text the agent was shown; nothing comes from the game's hidden state. ``jaxopd.methods.sft_data``
-writes it into the thinking of SFT demonstrations.
+writes it into the short thinking of SFT demonstrations.
 """
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ from typing import Sequence
 from jaxopd_envs.alfworld_engine import REFUSED_FEEDBACK, TASK_TYPES
 from jaxopd_envs.alfworld_import import import_alfworld
 
-__all__ = ["ALFWORLD_GOAL_TYPES", "CHANGE_TOOLS", "INSTRUCTION_PREFIX", "Goal", "parse_goal",
-           "without_restated_instruction", "goal_of_task_id", "TaskState", "task_state",
-           "objects_in_view", "objects_listed"]
+__all__ = ["ALFWORLD_GOAL_TYPES", "CHANGE_TOOLS", "INSTRUCTION_PREFIX", "Goal", "parse_goal", "TaskState",
+           "task_state", "objects_in_view", "objects_listed"]
 
 ALFWORLD_GOAL_TYPES = TASK_TYPES
 """The six task types of ALFWorld's games (``alfworld.gen.goal_library`` keys; owned by
@@ -92,16 +91,6 @@ def _goal_patterns() -> tuple[tuple[str, re.Pattern], ...]:
     return tuple(patterns)
 
 
-def without_restated_instruction(text: str) -> str:
-    """``text`` less a leading instruction sentence (``"Your task is to: … ."``, as ``task-plan-here`` thinking
-    restates it): what the thinking says beyond the copy of the instruction."""
-    stripped = text.lstrip()
-    if not stripped.lower().startswith(INSTRUCTION_PREFIX):
-        return text
-    end = stripped.find(".", len(INSTRUCTION_PREFIX))
-    return "" if end < 0 else stripped[end + 1:].lstrip()
-
-
 def parse_goal(instruction: str) -> Goal | None:
     """The goal of an ALFWorld instruction (``"Your task is to: heat some egg and put it in fridge."``), or None when
     it matches none of the six task types' templates."""
@@ -117,23 +106,6 @@ def parse_goal(instruction: str) -> Goal | None:
             return Goal(task_type, slots["obj"], slots.get("recep"), slots.get("toggle"),
                         instruction=instruction.strip())
     return None
-
-
-def goal_of_task_id(task_id: str) -> Goal:
-    """The goal of a game from its ALFWorld trial folder name, ``{task_type}-{Obj}-{MRecep}-{Recep}-{scene}``
-    (``"alfworld/valid_unseen/pick_cool_then_place_in_recep-Apple-None-GarbageCan-15/trial_S0_00021"``; a look
-    task's receptacle slot is its lamp). For records that keep the task id but not the instruction."""
-    if not isinstance(task_id, str):
-        raise ValueError(f"task id must be a str, got {type(task_id).__name__}")
-    for part in task_id.split("/"):
-        fields = part.split("-")
-        if len(fields) == 5 and fields[0] in ALFWORLD_GOAL_TYPES:
-            task_type, obj, _, recep, _ = fields
-            if task_type == "look_at_obj_in_light":
-                return Goal(task_type, obj.lower(), toggle=recep.lower())
-            return Goal(task_type, obj.lower(), recep.lower())
-    raise ValueError(f"no ALFWorld trial folder ({{task_type}}-{{obj}}-{{mrecep}}-{{recep}}-{{scene}}) in the task id "
-                     f"{task_id!r}")
 
 
 def objects_in_view(observation: str, object_class: str) -> list[str]:

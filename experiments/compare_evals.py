@@ -93,8 +93,24 @@ def plot(result: Mapping[str, Any], path: Path) -> Path:
     return path
 
 
+def load_evaluation(spec: str) -> tuple[str, Path, list[dict]]:
+    """``LABEL=PATH`` -> (label, the JSON file, its episode records)."""
+    label, sep, path = spec.partition("=")
+    if not sep or not label or not path:
+        raise UsageError(f"--eval takes LABEL=PATH, got {spec!r}")
+    file = Path(path)
+    if file.is_dir():
+        file = file / "evaluation.json"
+    if not file.is_file():
+        raise UsageError(f"--eval {label}: no evaluation file at {str(file)!r}")
+    try:
+        episodes = json.loads(file.read_text())["episodes"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"--eval {label}: {str(file)!r} is not an experiments.evaluate result ({error})") from None
+    return label, file, episodes
+
+
 def run(args, argv) -> int:
-    from .episode_report import load_evaluation
     from jaxopd.methods.paired import BOOTSTRAP_RESAMPLES, outcomes_of, paired_comparison, restrict_to_common
 
     if len(args.eval) < 2:

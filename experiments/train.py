@@ -6,12 +6,14 @@ or supervised fine-tuning on walkthroughs (``--method sft``: how a teacher is ma
     python -m experiments.train --method sft --preset cpu --steps 600 --out runs/sft/teacher \\
         --export runs/sft/teacher/hf
 
-Everything is one ``RunConfig`` (``jaxopd.methods.config``): the method's paper defaults, then the preset, then
-the flags given here; it is printed at the start and saved as ``<out>/config.json``. A folder that holds
-checkpoints is resumed. Outputs: ``train.jsonl`` / ``eval.jsonl`` and TensorBoard events, evaluation tables and
-plots under ``<out>/eval/``, ``summary.json``, and with ``--export`` the trained student as a Hugging Face
-folder. Bad input (a missing checkpoint folder, a wrong preset, an unwritable ``--out``, ``$ALFWORLD_DATA``
-pointing at nothing, a teacher with another vocabulary) is one line on stderr and exit code 2.
+A run is one config (``jaxopd.methods.config``: a ``DistillConfig``, or an ``SFTConfig`` for ``--method sft``):
+the method's paper defaults, then the preset, then a ``--config FILE``, then the flags given here, one per config
+field, made from the fields' types, defaults and help; it is printed at the start and saved as
+``<out>/config.json``. A folder that holds checkpoints is resumed. Outputs: ``train.jsonl`` / ``eval.jsonl`` and
+TensorBoard events, evaluation tables and plots under ``<out>/eval/``, ``summary.json``, and with ``--export`` the
+trained student as a Hugging Face folder. Bad input (a missing checkpoint folder, a wrong preset, an unwritable
+``--out``, ``$ALFWORLD_DATA`` pointing at nothing, a teacher with another vocabulary) is one line on stderr and exit
+code 2.
 """
 from __future__ import annotations
 
@@ -29,164 +31,81 @@ from jaxopd import cli
 from jaxopd.cli import UsageError
 from jaxopd.machine import machine_info
 from jaxopd.methods.benchmarks import BenchmarkError, GeneratedCounts, resolve_source, subset
-from jaxopd.methods.config import METHODS, PRESETS, SFT_DEMONSTRATIONS, SFT_THINKING, RunConfig, build_config
+from jaxopd.methods.config import (METHODS, PRESETS, DistillConfig, RunConfig, SFTConfig, build_config,
+                                   field_owner)
 from jaxopd.methods.run_folder import Interrupted, RunFolderError, RunLock, check_resume
-from jaxopd.rollout.tags import ACTION_FORMATS
-from jaxopd.train.step import LOSS_KINDS, LR_SCHEDULES
 
-FLAG_FIELDS = ("benchmark", "games", "generated_train_games", "student", "teacher", "student_model_preset",
-               "teacher_model_preset", "updates",
-               "batch_size", "rollout_slots", "rollout_mode", "rollout_backlog", "collection_tasks", "train_tasks",
-               "checkpoint_every", "keep_checkpoints", "seed",
-               "learning_rate", "loss", "max_turns", "max_prompt_tokens", "max_train_tokens", "first_stage_tokens",
-               "total_tokens", "second_stage_tokens", "fast_action_tokens", "temperature", "eval_split",
-               "eval_tasks", "eval_every", "eval_temperature", "sft_epochs", "sft_demonstrations",
-               "sft_context_weight", "sft_thinking", "sft_renamed_copies", "sft_take_copies", "sft_arrival_copies",
-               "sft_change_copies", "sft_refused_copies", "sft_missing_copies", "sft_fast_copies", "lr_schedule",
-               "sft_group_by_length", "sft_action_weight", "sft_action_format", "max_supervised_tokens",
-               "exact_top_k", "sub_vocabulary", "advantage_logp", "eval_max_turns", "eval_max_prompt_tokens",
-               "eval_first_stage_tokens", "eval_total_tokens", "eval_greedy")
+RUN_FLAGS = ("config", "method", "preset", "out", "export", "steps", "export_at", "no_eval", "no_progress",
+             "phase_log")
+"""The flags that are not config fields (or, ``method`` and ``preset``, read before the config is built)."""
+
+
+def config_fields() -> dict[str, dataclasses.Field]:
+    """Every field of the distillation and SFT configs, each once (the common ones first), by name."""
+    fields: dict[str, dataclasses.Field] = {}
+    for cls in (DistillConfig, SFTConfig):
+        for field in dataclasses.fields(cls):
+            fields.setdefault(field.name, field)
+    return fields
+
+
+def _flag_type(field: dataclasses.Field):
+    """The argparse type of a field's flag, from its annotation (``int | None`` -> int)."""
+    kind = str(field.type).replace(" | None", "")
+    return {"int": int, "float": float, "str": str, "bool": bool, "tuple[int, ...]": int}[kind]
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field, ``--field-name``, from the field's type, default and help (its metadata), in a
+    group per kind of run that reads it: bools take ``on`` / ``off``, tuples one or more values; every default is
+    None, so only the flags given override the config (a config file, the method's and the preset's values come
+    first)."""
+    groups = {owner: parser.add_argument_group(title) for owner, title in (
+        ("every run", "config of every run"), ("a distillation", "config of a distillation run"),
+        ("an SFT", "config of an SFT run (--method sft)"))}
+    for name, field in config_fields().items():
+        if name in ("method", "preset"):
+            continue
+        kind = _flag_type(field)
+        default = field.default
+        shown = ("on" if default else "off") if kind is bool else (
+            " ".join(map(str, default)) if isinstance(default, tuple) else default)
+        text = field.metadata.get("help", "") + ("" if default is None else f" (default {shown})")
+        kwargs: dict[str, Any] = {"default": None, "help": text.replace("%", "%%")}
+        if kind is bool:
+            kwargs["choices"] = ("on", "off")
+        else:
+            kwargs["type"] = kind
+            if "choices" in field.metadata:
+                kwargs["choices"] = field.metadata["choices"]
+            if "metavar" in field.metadata:
+                kwargs["metavar"] = field.metadata["metavar"]
+            if isinstance(default, tuple):
+                kwargs["nargs"] = "+"
+        groups[field_owner(name)].add_argument("--" + name.replace("_", "-"), **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = cli.Parser(prog="python -m experiments.train", description=__doc__.split("\n\n")[0])
+    p = cli.Parser(prog="python -m experiments.train", description=__doc__.split("\n\n")[0],
+                   epilog="The defaults shown are the papers' shared settings; the method's paper, the preset and "
+                          "--config change them, and a run prints and saves the config it resolved to.")
     p.add_argument("--config", default=None, metavar="FILE",
-                   help="a TOML, YAML or JSON file of RunConfig fields (method and preset included; a run's own "
+                   help="a TOML, YAML or JSON file of config fields (method and preset included; a run's own "
                         "config.json is one); the flags given override it")
     p.add_argument("--method", default=None, choices=METHODS, help="required, here or in --config")
     p.add_argument("--preset", default=None, choices=PRESETS, help="machine sizing (default cpu)")
     p.add_argument("--out", required=True, help="run folder (resumed when it holds checkpoints)")
     p.add_argument("--export", default=None, help="write the trained student here as a Hugging Face folder")
-    p.add_argument("--benchmark", default=None, choices=("alfworld", "scienceworld"))
-    p.add_argument("--games", default=None, choices=("auto", "generated", "official"))
-    p.add_argument("--generated-train-games", type=int, default=None, metavar="N",
-                   help="generated ALFWorld games of the train split (240; valid_unseen stays the same games, "
-                        "valid_seen can change)")
-    p.add_argument("--student", default=None, metavar="DIR", help="Hugging Face model folder of the student")
-    p.add_argument("--teacher", default=None, metavar="DIR", help="Hugging Face model folder of the teacher")
-    p.add_argument("--student-model-preset", default=None,
-                   help="random-initialised student when no --student (with the offline Qwen3 tokenizer, so a Qwen3 "
-                        "preset)")
-    p.add_argument("--teacher-model-preset", default=None, help="random-initialised teacher when no --teacher")
-    p.add_argument("--updates", type=int, default=None, help="optimizer updates (distillation)")
     p.add_argument("--steps", type=int, default=None, help="SFT steps (default: --sft-epochs over the data)")
-    p.add_argument("--sft-epochs", type=float, default=None)
-    p.add_argument("--sft-demonstrations", default=None, choices=SFT_DEMONSTRATIONS,
-                   help="what SFT imitates: the planner's walkthroughs (default) or ALFWorld's searching expert, "
-                        "which looks for objects from what it has seen (its won episodes only)")
-    p.add_argument("--sft-context-weight", type=float, default=None,
-                   help="SFT: weight of a language-model term on the prompt tokens (softmax over the corpus "
-                        "vocabulary), beside the response's; 0 trains on the response only")
-    p.add_argument("--sft-thinking", default=None, choices=SFT_THINKING,
-                   help="SFT: what a demonstration thinks before its action: none (an empty thinking block, default) "
-                        "or an ALFWorld rule read from the prompt, from state (the goal object held or needed and the "
-                        "one in view) to task-list-act-here (ending on the command to give here); each is described "
-                        "at jaxopd.methods.config.SFT_THINKING")
-    p.add_argument("--sft-renamed-copies", type=int, default=None, metavar="K",
-                   help="SFT (ALFWorld): add K copies of every demonstration with its object and receptacle classes "
-                        "renamed at random, consistently (jaxopd_envs.alfworld_names), so names must be read from the "
-                        "prompt, not guessed from the room (default 0)")
-    p.add_argument("--sft-take-copies", type=int, default=None, metavar="K",
-                   help="SFT (ALFWorld): then K more renamed copies of the turns whose action is take only (the goal "
-                        "object in view: a tenth of the turns, the ones a teacher misses most; default 0)")
-    p.add_argument("--sft-arrival-copies", type=int, default=None, metavar="K",
-                   help="SFT (ALFWorld): then K more renamed copies of the turns after a go to or open (a receptacle's "
-                        "contents just listed: is the goal object there?), after the take copies; default 0")
-    p.add_argument("--sft-change-copies", type=int, default=None, metavar="K",
-                   help="SFT (ALFWorld): then K more renamed copies of the turns holding the goal object still to "
-                        "clean, heat or cool (the tool's verb and class to find), after the arrival copies; default 0")
-    p.add_argument("--sft-refused-copies", type=int, default=None, metavar="K",
-                   help="SFT (ALFWorld): then K more renamed copies of the turns after one more command the engine "
-                        "refused (a go to where the agent stands, 'Nothing happens.'), with the same demonstrated "
-                        "action; default 0")
-    p.add_argument("--sft-missing-copies", type=int, default=None, metavar="K",
-                   help="SFT (ALFWorld): then K more renamed copies of the turns after a refused go to a receptacle "
-                        "the room does not have (one past the last of the class the agent stands at), with the same "
-                        "demonstrated action; default 0")
-    p.add_argument("--sft-fast-copies", type=int, default=None, metavar="K",
-                   help="SFT (ALFWorld): then K more renamed copies of every turn as ActFirst-OPD's fast action "
-                        "requests (next-action and inverse-dynamics prompts, answered by the action tag alone), so "
-                        "that a student made by SFT can act in ActFirst's rollouts; default 0")
-    p.add_argument("--sub-vocabulary", action="store_const", const=True, default=None,
-                   help="SFT of a Qwen3 model: cut it down to the token ids of its corpus (plus the 256 byte tokens "
-                        "and Qwen3's added tokens): a few hundred embedding rows and logits instead of 151,936, a step "
-                        "about twice as fast; the exports carry the token map in config.json "
-                        "and every command that loads them (evaluate, train --student/--teacher) uses it")
-    p.add_argument("--sft-group-by-length", type=int, default=None, metavar="W",
-                   help="SFT: batches of samples of similar length (less padding, faster steps): each window of W "
-                        "batches of the epoch's shuffled order is sorted by length, cut, and its batches shuffled; "
-                        "default 0 (off)")
-    p.add_argument("--sft-action-weight", type=float, default=None, metavar="W",
-                   help="SFT: weight of each demonstration's action tag (and end-of-turn token) in the loss, the "
-                        "thinking's tokens weighing 1 (a weighted token mean); default 1")
-    p.add_argument("--sft-action-format", default=None, choices=ACTION_FORMATS,
-                   help="how the demonstrations' (and held-out turns') action tag is written: 'tight' "
-                        "<action>take cd 4 ...</action> (the paper's example), or 'spaced' "
-                        "<action> take cd 4 ...</action>, whose command's tokens are those of the thinking's last "
-                        "sentence, or 'said': spaced where the thinking ends on saying the command, tight elsewhere; "
-                        "default tight")
     p.add_argument("--export-at", nargs=2, action="append", default=None, metavar=("STEP", "DIR"),
                    help="SFT: also write the model of step STEP as a Hugging Face folder DIR when the run passes it "
                         "(a weaker student from the teacher's own run; repeatable)")
-    p.add_argument("--lr-schedule", default=None, choices=LR_SCHEDULES,
-                   help="SFT: constant learning rate (default) or cosine (warm-up over 5 %% of --steps, then a half "
-                        "cosine down to a tenth at --steps)")
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--rollout-slots", type=int, default=None)
-    p.add_argument("--rollout-mode", default=None, choices=("async", "sync"),
-                   help="async: the papers' streaming runners (default); sync: waves in task order between "
-                        "updates, reproducible (a killed and resumed run gives the same losses)")
-    p.add_argument("--rollout-backlog", type=int, default=None, metavar="SAMPLES",
-                   help="async: samples the runners may keep ahead of the trainer (default: batch size x "
-                        "(max version lag + 1)); 0: no bound, runners never pause")
-    p.add_argument("--collection-tasks", type=int, default=None)
-    p.add_argument("--train-tasks", type=int, default=None, help="train on a seeded subset of this many tasks")
-    p.add_argument("--checkpoint-every", type=int, default=None)
-    p.add_argument("--keep-checkpoints", type=int, default=None, help="newest checkpoints kept (default 3)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--learning-rate", type=float, default=None)
-    p.add_argument("--loss", default=None, choices=LOSS_KINDS,
-                   help="the loss instead of the method's own; opd-exact: vanilla OPD's reverse KL computed over the "
-                        "whole vocabulary at each sampled state (not the papers' form; needs "
-                        "--max-supervised-tokens)")
-    p.add_argument("--exact-top-k", type=int, default=None, metavar="K",
-                   help="opd-exact only: carry the teacher's top K ids and the mass of the rest at each state "
-                        "instead of its whole log-softmax, and train the reverse KL of that coarse distribution "
-                        "(a lower bound of the exact one; for large vocabularies such as Qwen3's, e.g. 64). "
-                        "Default: all ids")
-    p.add_argument("--max-turns", type=int, default=None)
-    p.add_argument("--max-prompt-tokens", type=int, default=None)
-    p.add_argument("--max-train-tokens", type=int, default=None)
-    p.add_argument("--max-supervised-tokens", type=int, default=None)
-    p.add_argument("--first-stage-tokens", type=int, default=None)
-    p.add_argument("--total-tokens", type=int, default=None)
-    p.add_argument("--second-stage-tokens", type=int, default=None)
-    p.add_argument("--fast-action-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--eval-split", default=None)
-    p.add_argument("--eval-tasks", type=int, default=None)
-    p.add_argument("--eval-every", type=int, default=None)
-    p.add_argument("--eval-temperature", type=float, default=None)
-    p.add_argument("--eval-greedy", default=None, choices=("on", "off"),
-                   help="evaluate with greedy decoding (on) or sampling at --eval-temperature (off); default: the "
-                        "method's paper (ActionOPD greedy, the others at 0.4)")
-    p.add_argument("--eval-max-turns", type=int, default=None,
-                   help="turn limit of the evaluations during training (default: App. C.4's 30; cpu preset 20)")
-    p.add_argument("--eval-max-prompt-tokens", type=int, default=None,
-                   help="prompt limit of the evaluations (default: App. C.4's 20,480; gpu preset 4,096, cpu 1,024)")
-    p.add_argument("--eval-first-stage-tokens", type=int, default=None,
-                   help="thinking budget's first stage in evaluations (default: App. C.4's 1,920; cpu preset 48)")
-    p.add_argument("--eval-total-tokens", type=int, default=None,
-                   help="thinking budget's total in evaluations (default: App. C.4's 2,048; cpu preset 64)")
-    p.add_argument("--advantage-logp", default=None, choices=("current", "sampled"),
-                   help="opd / sti-opd losses: the student log-prob of the advantage -(log pi - log pi_T): current "
-                        "(the forward pass being trained, default) or sampled (the rollout's stored one, as "
-                        "Trinity-RFT computes it)")
     p.add_argument("--no-eval", action="store_true", help="skip evaluation")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--phase-log", default=None, metavar="FILE",
                    help="append one line 'PHASE UPDATE UNIX_TIME' whenever the loop enters rollout, step, checkpoint "
                         "or saved (for watchdogs; the kill-and-resume tests use it)")
+    add_config_flags(p)
     return p
 
 
@@ -208,15 +127,18 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if method is None:
         raise UsageError("--method is required (or `method` in the --config file)")
     args.method, args.preset = method, preset
-    flags = {name: getattr(args, name, None) for name in FLAG_FIELDS}
+    flags = {name: getattr(args, name, None) for name in config_fields() if name not in ("method", "preset")}
+    for name, value in flags.items():
+        if isinstance(value, str) and _flag_type(config_fields()[name]) is bool:
+            flags[name] = value == "on"
+        elif isinstance(value, list):
+            flags[name] = tuple(value)
     overrides = {**from_file, **{k: v for k, v in flags.items() if v is not None}}
     if getattr(args, "export_at", None) and args.method != "sft":
         raise UsageError("--export-at writes intermediate SFT models; distillation runs export with --export")
     if getattr(args, "phase_log", None) and args.method == "sft":
         raise UsageError("--phase-log reports the phases of the distillation loop (rollout, step, checkpoint); "
                          "--method sft never enters them")
-    if isinstance(flags["eval_greedy"], str):
-        overrides["eval_greedy"] = {"on": True, "off": False}[flags["eval_greedy"]]
     if args.method == "sft" and args.steps is not None:
         overrides["updates"] = args.steps
     if args.method != "sft" and getattr(args, "steps", None) is not None:
@@ -226,8 +148,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         evaluate = not getattr(args, "no_eval", False)
         check_task_source(config, evaluate=evaluate)
         student_config = None if config.student is None else Path(config.student).expanduser() / "config.json"
-        if config.exact_top_k is not None and student_config is not None and student_config.is_file():
-            check_exact_top_k(config.exact_top_k, cli.checkpoint_vocab_size("--student", config.student),
+        top_k = getattr(config, "exact_top_k", None)          # distillation only
+        if top_k is not None and student_config is not None and student_config.is_file():
+            check_exact_top_k(top_k, cli.checkpoint_vocab_size("--student", config.student),
                               f"the --student {config.student!r}")
         if config.student is None or (student_config is not None and student_config.is_file()):
             from jaxopd.tokenizer import load_tokenizer     # a missing --student folder is check_paths' to report
@@ -246,10 +169,10 @@ def training_counts(config: RunConfig) -> GeneratedCounts:
 
 
 def check_paths(config: RunConfig, args: argparse.Namespace) -> Path:
-    for flag, folder in (("--student", config.student), ("--teacher", config.teacher)):
+    for flag, folder in (("--student", config.student), ("--teacher", getattr(config, "teacher", None))):
         if folder is not None:
             cli.check_checkpoint_folder(flag, folder)
-    if config.student is not None and config.teacher is not None and config.method != "sft":
+    if config.method != "sft" and config.student is not None and config.teacher is not None:
         cli.check_same_vocabulary(cli.checkpoint_vocab_size("--student", config.student),
                                   cli.checkpoint_vocab_size("--teacher", config.teacher),
                                   student=f"--student {config.student!r}", teacher=f"--teacher {config.teacher!r}")
@@ -265,7 +188,7 @@ def check_paths(config: RunConfig, args: argparse.Namespace) -> Path:
         check_resume(out, config)           # a run in the folder must be the same run, and not past --updates
     if config.student is None:              # random weights: the offline Qwen3 tokenizer's ids must fit the preset
         cli.check_random_preset("--student-model-preset", config.student_model_preset)
-    if config.teacher is None and config.method != "sft":
+    if config.method != "sft" and config.teacher is None:
         cli.check_model_preset("--teacher-model-preset", config.teacher_model_preset)
     return out
 
@@ -294,15 +217,9 @@ def load_models(config: RunConfig):
         if teacher.config.vocab_size != student.config.vocab_size:
             raise UsageError(f"the teacher's vocabulary ({teacher.config.vocab_size} tokens) differs from the "
                              f"student's ({student.config.vocab_size}); OPD needs one token space")
-        if teacher.config.token_map != student.config.token_map:
-            raise UsageError("the teacher's and the student's token maps (config.json's sub-vocabularies) differ; "
-                             "OPD needs one token space")
     if tokenizer.vocab_size > student.config.vocab_size:
         raise UsageError(f"the tokenizer's {tokenizer.vocab_size:,} token ids do not fit the student's "
                          f"{student.config.vocab_size:,}-token vocabulary ({student.config.model_type})")
-    if config.method == "sft" and config.sub_vocabulary and student.config.model_type != "qwen3":
-        raise UsageError(f"--sub-vocabulary cuts a model down to a subset of Qwen3's token ids; the student is a "
-                         f"{student.config.model_type} model with a tokenizer of its own")
     return student, teacher, tokenizer
 
 
@@ -361,7 +278,7 @@ def held_out_divergence(config: RunConfig, source: Any, tokenizer: Any, student:
     tasks = subset(source.tasks(config.resolved_eval_split), config.eval_tasks, seed=0)
     references = references_for(source, tasks, workers=min(4, os.cpu_count() or 1), progress=False)
     samples, _ = walkthrough_samples(references, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
-                                     thinking=config.sft_thinking, action_format=config.sft_action_format)
+                                     thinking=config.sft_thinking)
     student_graphdef, _ = nnx.split(student, nnx.Param)
     teacher_pair = nnx.split(teacher, nnx.Param)
 
@@ -443,7 +360,8 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
     """Supervised fine-tuning on demonstrations of the training games (``--sft-demonstrations``: walkthroughs or the
     searching expert's won episodes), evaluated like a distilled student."""
     from jaxopd.methods.run_folder import check_and_save_config
-    from jaxopd.methods.sft import sft_corpus, sft_steps, to_sub_vocabulary, train_sft
+    from jaxopd.methods.sft import sft_steps, train_sft
+    from jaxopd.methods.sft_data import sft_corpus
     from jaxopd.sampler.engine import Engine, EngineConfig
 
     try:
@@ -452,14 +370,7 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
     except ValueError as error:
         raise UsageError(str(error)) from None
     samples, stats, failures = corpus.samples, corpus.stats, corpus.failures
-    if config.sub_vocabulary:
-        if student.config.token_map is not None:
-            print(f"--sub-vocabulary: the student already has a sub-vocabulary of {student.config.vocab_size:,} ids; "
-                  "kept", flush=True)
-        else:
-            student, samples, tokenizer = to_sub_vocabulary(student, samples)
-            print(f"sub-vocabulary: the model cut down to {student.config.vocab_size:,} token ids (the corpus's, the "
-                  "256 byte tokens and the added tokens)", flush=True)
+    print(f"run config (sft on {config.benchmark}, preset {config.preset}):\n{config.describe()}", flush=True)
     if failures:
         print(f"SFT demonstrations: the {config.sft_demonstrations} won {len(corpus.references)} of "
               f"{len(corpus.tasks)} training games within {config.max_turns} turns; the other {len(failures)} are "
@@ -471,10 +382,13 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
           flush=True)
     evaluate = None
     if not args.no_eval:
+        from types import SimpleNamespace
+
         from jaxopd.methods.loop import engine_config_for
-        from jaxopd.methods.registry import make_method
-        engine_config: EngineConfig = engine_config_for(dataclasses.replace(config, method="vanilla-opd"),
-                                                        make_method(dataclasses.replace(config, method="vanilla-opd")))
+        # the evaluations' engine, sized as vanilla OPD's: one think-then-act request per episode (no fast requests)
+        sizing = SimpleNamespace(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
+                                 fast_action_tokens=0)
+        engine_config: EngineConfig = engine_config_for(sizing, SimpleNamespace(name="vanilla-opd"))
         engine_eval = make_evaluator(dataclasses.replace(config, updates=steps), source, tokenizer, out, progress)
 
         def evaluate(model, step):
@@ -484,7 +398,7 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
                       learning_rate=config.learning_rate, weight_decay=config.weight_decay,
                       max_grad_norm=config.max_grad_norm, lr_schedule=config.lr_schedule, seed=config.seed,
                       max_train_tokens=config.max_train_tokens,
-                      max_supervised_tokens=supervised, context_lm_weight=config.sft_context_weight,
+                      max_supervised_tokens=supervised,
                       group_by_length=config.sft_group_by_length,
                       checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
                       eval_every=config.eval_every, evaluate=evaluate, exports=export_steps(args, steps),

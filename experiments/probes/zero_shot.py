@@ -86,11 +86,11 @@ def build_parser() -> cli.Parser:
 def resolve_defaults(args) -> None:
     """Fill the defaults ``build_parser`` left None from the modules that own them."""
     from jaxopd_envs.alfworld_gen import TRAINING_COUNTS
-    from jaxopd.methods.config import PRESET_OVERRIDES, RunConfig
+    from jaxopd.methods.config import PRESET_OVERRIDES, DistillConfig
     from jaxopd.methods.evaluate import PAPER_TEMPERATURE
 
     cpu = PRESET_OVERRIDES["cpu"]
-    paper = RunConfig(method="vanilla-opd")
+    paper = DistillConfig(method="vanilla-opd")
     if args.generated_train_games is None:
         args.generated_train_games = TRAINING_COUNTS["train"]
     if args.temperature is None:

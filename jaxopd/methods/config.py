@@ -1,14 +1,14 @@
-"""The one configuration of a training run, its presets and each method's paper defaults.
+"""The configuration of a training run: a distillation config and an SFT config over a common base, their presets
+and each method's paper defaults.
 
-Owns ``RunConfig`` (every knob of a run: method, benchmark, models, schedule, optimisation, generation, engine,
-evaluation), the presets ``cpu`` / ``gpu`` / ``paper`` that size a run to a machine, and the order in which
-a config is built: the shared defaults (ActFirst-OPD Table 6), then the method's paper defaults (STI-OPD's
-setup table, ActionOPD Tables 7-8), then the preset, then the user's overrides. A config is printed at the start
-of a run and saved with it (``config.json``), with its departures from the method's paper (``departures_of``);
-resuming checks that the saved one matches. ``RunConfig`` refuses every value that could not train (non-finite
-numbers, token limits nothing fits, a loss the method's samples cannot feed); ``check_task_source`` and
-``check_prompt_fits`` are the checks that need the environment or a tokenizer, run by the command lines before
-anything is written.
+Owns ``RunConfig`` (the settings every run has: benchmark, student, schedule, optimiser, prompt and evaluation
+limits), ``DistillConfig`` (the distillation methods: teacher, rollouts, losses, sampling, ActionOPD) and
+``SFTConfig`` (supervised fine-tuning on demonstrations), each field with its command-line help in its metadata
+(``experiments.train`` makes its flags from them); the presets ``cpu`` / ``gpu`` / ``paper`` and the order in which
+``build_config`` builds a config: the shared defaults (ActFirst-OPD Table 6), the method's paper defaults, the
+preset, the user's overrides. ``departures_of`` lists how a run departs from its paper; ``read_config_file`` reads
+``--config FILE``; ``check_task_source`` and ``check_prompt_fits`` are the checks that need the environment or a
+tokenizer. A check that refuses a value raises ``ValueError`` naming the field.
 """
 from __future__ import annotations
 
@@ -20,348 +20,200 @@ from typing import Any, Mapping
 from jaxopd.losses import ADVANTAGE_LOGP
 from jaxopd.methods.benchmarks import BENCHMARKS, EVAL_SPLITS, GAME_SOURCES, GeneratedCounts
 from jaxopd.models.decoder import PRESETS as MODEL_PRESETS
-from jaxopd.rollout.tags import ACTION_FORMATS
-from jaxopd.train.step import ADVANTAGE_KINDS, LR_SCHEDULES
+from jaxopd.train.state import LR_SCHEDULES
+from jaxopd.train.step import ADVANTAGE_KINDS, LOSS_KINDS
 
-METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallback", "actfirst-prefix-replay-50",
-           "actfirst-prefix-replay-100", "sti", "actionopd", "sft")
+DISTILL_METHODS = ("vanilla-opd", "actfirst", "actfirst-no-id", "actfirst-no-nap-fallback",
+                   "actfirst-prefix-replay-50", "actfirst-prefix-replay-100", "sti", "actionopd")
+METHODS = DISTILL_METHODS + ("sft",)
 DEFAULT_LOSSES = {"sti": "sti-opd", "actionopd": "action-opd", "sft": "sft"}
-"""Each method's own loss (every other method: ``opd``); ``RunConfig.resolved_loss``."""
+"""Each method's own loss (every other method: ``opd``); ``resolved_loss``."""
 _MAX_SEED = 2**32 - 2          # the teacher's random init takes seed + 1; both must be a uint32
 PRESETS = ("cpu", "gpu", "paper")
 ROLLOUT_MODES = ("async", "sync")
-SFT_THINKING = ("none", "state", "plan", "plan-here", "task-plan-here", "task-list-plan-here",
-                "task-list-act-here", "task-tool-act-here", "task-tool-refused-act-here")
-"""What an SFT demonstration thinks before its action: ``none`` (an empty thinking block), ``state`` (ALFWorld:
-a short reasoning over what the prompt shows, ``jaxopd.methods.sft_data.state_thinking``) or ``plan`` (ALFWorld: that
-state and the step it calls for, the tool or the destination, ``jaxopd.methods.sft_data.plan_text``) or
-``plan-here`` (ALFWorld: the plan and where the agent is, ``jaxopd.methods.sft_data.plan_here_text``) or
-``task-plan-here`` (ALFWorld: the instruction restated word for word, then the plan-here words, and the tool's command
-when the agent stands at the tool, ``jaxopd.methods.sft_data.task_plan_here_text``) or ``task-list-plan-here`` (the
-same, with the object classes an arrival or an opening just listed copied after the instruction,
-``jaxopd.methods.sft_data.task_list_plan_here_text``) or ``task-list-act-here`` (that, ending on the command to
-give at the agent's location when there is one, ``jaxopd.methods.sft_data.task_list_act_here_text``) or
-``task-tool-act-here`` (that, with the change task's verb and tool said right after the instruction in every turn,
-``jaxopd.methods.sft_data.task_tool_act_here_text``) or ``task-tool-refused-act-here`` (that, with the last command
-said after the instruction when the engine refused it, ``jaxopd.methods.sft_data.task_tool_refused_act_here_text``)."""
+SFT_THINKING = ("none", "plan")
+"""What an SFT demonstration thinks before its action, in the full think-then-act answer: ``none`` (an empty
+thinking block) or ``plan`` (ALFWorld: a short thinking written by a rule from what the prompt shows, the state of
+the task and the step it calls for, ``jaxopd.methods.sft_data.plan_text``)."""
 SFT_DEMONSTRATIONS = {"walkthrough": "solution", "searching-expert": "searching_expert"}
 """What SFT imitates, each with the ``jaxopd_envs.references`` kind of its references: the planner's walkthrough (it
 knows where everything lies; ScienceWorld's gold path), or ALFWorld's searching expert (``jaxopd_envs.alfworld_expert``:
 it looks for objects from what it has seen, as an agent on an unseen game must)."""
 
 
+def setting(default: Any, help: str, **flag: Any) -> Any:
+    """A config field with its command-line help (and ``choices`` / ``metavar`` for the flag) in its metadata: the
+    one owner of a flag's text (``experiments.train.build_parser`` makes every flag from the fields)."""
+    return dataclasses.field(default=default, metadata={"help": help, **flag})
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Every setting of a run. Defaults are ActFirst-OPD's Table 6 (shared by all methods unless a method's
-    paper says otherwise, see ``METHOD_DEFAULTS``); ``build_config`` applies a preset and overrides.
+    """The settings every run has, distillation or SFT (``DistillConfig``, ``SFTConfig``; build one with
+    ``build_config``). Defaults are ActFirst-OPD's Table 6 unless a method's paper says otherwise
+    (``METHOD_DEFAULTS``). Evaluation during training (``eval_*``) has its own limits: App. C.4's 30 turns, 1,920 /
+    2,048 thinking tokens and 20,480 prompt tokens; every method is evaluated by that protocol.
 
-    Schedule: ``updates`` optimizer updates of ``batch_size`` turn-level responses each; ``rollout_slots``
-    episodes run concurrently (the paper's 16 runners); samples older than ``max_version_lag`` versions are
-    dropped. ActionOPD collects ``collection_tasks`` task starts with one policy snapshot, then trains one
-    epoch of ``batch_size`` minibatches over them. Checkpoints every ``checkpoint_every`` updates; evaluation
-    every ``eval_every`` updates (0: only before and after training) on ``eval_tasks`` tasks of ``eval_split``.
-
-    ``rollout_mode``: ``async`` (the papers' pipeline: runners stream episodes into the buffer while the trainer
-    steps, so which sample lands in which batch depends on thread timing) or ``sync`` (reproducible: between two
-    updates the runners play waves of ``rollout_slots`` episodes in task order with the current weights, and
-    their samples enter the buffer in task order; a run, killed and resumed or not, gives the same losses).
-
-    ``rollout_backlog`` (async): how many samples the runners may keep ahead of the trainer, counting the fresh
-    samples buffered and, for each episode in flight or delivered but not yet buffered, the mean sample count of
-    the episodes delivered so far (``max_turns`` before the first); a runner starts an episode only below it.
-    None: ``batch_size * (max_version_lag + 1)``, as many as the version-lag bound lets the trainer use; 0: no
-    bound (runners play without pause, and what the trainer cannot take in time is dropped as stale).
-
-    Evaluation during training (``eval_*``) has its own turn limit, thinking budget and prompt limit: ActFirst-OPD
-    App. C.4's 30 turns, 1,920 / 2,048 thinking tokens and 20,480 prompt tokens by default (every method is evaluated
-    by that protocol; ActionOPD greedily, ``eval_greedy``, as its paper evaluates). ``advantage_logp``: which student
-    log-prob OPD's and STI-OPD's advantage reads (``jaxopd.train.step.LossConfig.advantage_logp``).
-
-    ``departures``: every way the run departs from its method's paper, in words (the preset's sizing, the user's
-    overrides, and what this implementation does differently whatever the preset); ``describe()`` prints them and
-    ``to_dict()`` (so ``config.json``) carries them. A check that refuses a value raises ``ValueError`` naming the
-    field.
+    ``departures``: every way the run departs from its method's paper, in words; ``describe()`` prints them and
+    ``to_dict()`` (so ``config.json``) carries them.
     """
 
-    method: str = "actfirst"
-    benchmark: str = "alfworld"
-    preset: str = "paper"
-    games: str = "auto"
-    # generated ALFWorld games of the train split (the evaluation splits keep GeneratedCounts' sizes; valid_unseen, on
-    # held-out floor plans with every game slot seeded on its own, stays the very same games; valid_seen can change)
-    generated_train_games: int = GeneratedCounts.train
-    # models: Hugging Face folders, or a random-initialised preset when a folder is not given (smoke runs only)
-    student: str | None = None
-    teacher: str | None = None
-    student_model_preset: str = "qwen3-1.7b"
-    teacher_model_preset: str = "qwen3-8b"
+    method: str = setting("actfirst", "the training method", choices=METHODS)
+    benchmark: str = setting("alfworld", "the benchmark", choices=BENCHMARKS)
+    preset: str = setting("paper", "machine sizing (the command's default: cpu)", choices=PRESETS)
+    games: str = setting("auto", "ALFWorld's games: official ones under $ALFWORLD_DATA, generated ones, or auto "
+                                 "(official if $ALFWORLD_DATA is set)", choices=GAME_SOURCES)
+    generated_train_games: int = setting(GeneratedCounts.train, "generated ALFWorld games of the train split "
+                                         "(valid_unseen stays the same games, valid_seen can change)", metavar="N")
+    student: str | None = setting(None, "Hugging Face model folder of the student", metavar="DIR")
+    student_model_preset: str = setting("qwen3-1.7b", "random-initialised student when no --student (with the "
+                                        "offline Qwen3 tokenizer, so a Qwen3 preset)")
     # schedule
-    updates: int = 250
-    batch_size: int = 64
-    rollout_slots: int = 16
-    collection_tasks: int = 64
-    train_tasks: int | None = None
-    max_version_lag: int = 1
-    rollout_mode: str = "async"
-    rollout_backlog: int | None = None
-    checkpoint_every: int = 10
-    keep_checkpoints: int = 3
-    seed: int = 42
-    # optimisation (AdamW, constant lr, no warm-up)
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    clip_eps: float = 0.2
-    dual_clip: float = 3.0
-    loss: str | None = None                  # None: the method's loss (opd / sti-opd / action-opd / sft);
-                                             # opd-exact: OPD's reverse KL over the whole vocabulary
-    advantage_logp: str = "current"          # opd / sti-opd advantage from the current or the sampled log-prob
-    exact_top_k: int | None = None           # opd-exact over the teacher's top K ids and the rest (None: all ids)
-    max_train_tokens: int = 16_384           # longest turn-level sample trained on (prompt + response)
-    logits_chunk_size: int | None = 1024
-    max_supervised_tokens: int | None = None   # project only the response positions (jaxopd.train.step)
+    updates: int = setting(250, "optimizer updates (distillation; ActionOPD: collection steps); SFT: --steps")
+    batch_size: int = setting(64, "turn-level samples per update")
+    rollout_slots: int = setting(16, "episodes played concurrently (the papers' 16 runners; evaluations too)")
+    train_tasks: int | None = setting(None, "train on a seeded subset of this many tasks")
+    checkpoint_every: int = setting(10, "updates between checkpoints")
+    keep_checkpoints: int = setting(3, "newest checkpoints kept")
+    seed: int = setting(42, "seed of the models' initialisation, the task order and the sampling")
+    # optimisation (AdamW)
+    learning_rate: float = setting(1e-6, "AdamW learning rate")
+    weight_decay: float = setting(0.01, "AdamW weight decay")
+    max_grad_norm: float = setting(1.0, "global gradient-norm clip")
+    max_train_tokens: int = setting(16_384, "longest turn-level sample trained on (prompt + response)")
     # generation
-    max_turns: int = 30
-    max_prompt_tokens: int = 10_240
-    first_stage_tokens: int = 384
-    total_tokens: int = 512
-    second_stage_tokens: int = 128
-    fast_action_tokens: int = 512
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    # ActionOPD (Table 7-8)
-    num_candidates: int = 4
-    num_teacher_samples: int = 3
-    match_bonus_scale: float = 0.5
-    teacher_temperature: float = 0.6
-    teacher_top_p: float = 0.95
+    max_turns: int = setting(30, "turn limit of a training episode (SFT: of the searching expert)")
+    max_prompt_tokens: int = setting(10_240, "prompt limit (App. B.2 truncates the history to it)")
+    total_tokens: int = setting(512, "thinking budget's total: the longest response")
+    second_stage_tokens: int = setting(128, "thinking budget's second stage (after the early-stop text)")
     # engine
-    page_size: int = 16
-    prefix_sharing: bool = True
+    page_size: int = setting(16, "KV-cache page size of the engines, in tokens")
+    prefix_sharing: bool = setting(True, "share the KV pages of common prompt prefixes")
     # evaluation
-    eval_split: str | None = None            # None: the benchmark's unseen split (valid_unseen / eval)
-    eval_tasks: int | None = None
-    eval_every: int = 0
-    eval_seeds: tuple[int, ...] = (42, 43, 44)
-    eval_greedy: bool = False
-    eval_temperature: float = 0.4            # ActFirst-OPD App. C: evaluation samples at 0.4
-    eval_max_turns: int = 30                 # App. C.4 (Table 7): 30 turns,
-    eval_max_prompt_tokens: int = 20_480     # 20,480 prompt tokens,
-    eval_first_stage_tokens: int = 1_920     # and a thinking budget of 1,920 / 2,048 tokens
-    eval_total_tokens: int = 2_048
-    # SFT (the teacher): epochs over the demonstration turns, which demonstrations (SFT_DEMONSTRATIONS), and the
-    # weight of the language-model term on the prompt tokens (0: the response only)
-    sft_epochs: float = 3.0
-    sft_demonstrations: str = "walkthrough"
-    sft_context_weight: float = 0.0          # > 0: a language-model term on the prompt tokens too (sft.train_sft)
-    sft_thinking: str = "none"               # SFT_THINKING: SFT's answers, and distillation's held-out answers
-    sft_renamed_copies: int = 0              # copies of a demonstration, classes renamed (jaxopd_envs.alfworld_names)
-    sft_take_copies: int = 0                 # more renamed copies of the turns whose action is ``take`` only
-    sft_arrival_copies: int = 0              # ... and of the turns after a ``go to`` or ``open`` (sft_data.FOCUS_TURNS)
-    sft_change_copies: int = 0               # ... and of the turns holding the goal object still to change
-    sft_refused_copies: int = 0              # ... and of the turns after one refused command (sft_data.refused_turn)
-    sft_missing_copies: int = 0              # ... and after a go to a missing receptacle (sft_data.missing_turn)
-    sft_fast_copies: int = 0                 # ... and of every turn as ActFirst's fast requests (sft_data.FAST_MODES)
-    lr_schedule: str = "constant"            # SFT only: "cosine" warms up over 5 % of the steps, then decays to 10 %
-    sft_group_by_length: int = 0             # SFT only: batches of similar length, windows of this many (SFTDataset)
-    sft_action_weight: float = 1.0           # SFT only: loss weight of the action tag's tokens (thinking: 1)
-    sft_action_format: str = "tight"         # rollout.tags.ACTION_FORMATS: SFT's and held-out answers' action tags
-    sub_vocabulary: bool = False             # SFT only: cut the model down to its corpus's ids (sft.to_sub_vocabulary)
+    eval_split: str | None = setting(None, "evaluation split (default: the benchmark's unseen one)")
+    eval_tasks: int | None = setting(None, "evaluate on a seeded subset of this many tasks (default: all)")
+    eval_every: int = setting(0, "updates between evaluations (0: before and after training only)")
+    eval_seeds: tuple[int, ...] = setting((42, 43, 44), "evaluation seeds (the first only between start and end)",
+                                          metavar="SEED")
+    eval_greedy: bool = setting(False, "evaluate with greedy decoding (on) or sampling at --eval-temperature (off); "
+                                "default: the method's paper (ActionOPD greedy, the others at 0.4)")
+    eval_temperature: float = setting(0.4, "evaluation temperature (ActFirst-OPD App. C)")
+    eval_max_turns: int = setting(30, "turn limit of the evaluations (App. C.4's 30; cpu preset 20)")
+    eval_max_prompt_tokens: int = setting(20_480, "prompt limit of the evaluations (App. C.4's 20,480; gpu preset "
+                                          "4,096, cpu 1,024)")
+    eval_first_stage_tokens: int = setting(1_920, "thinking budget's first stage in evaluations (App. C.4's 1,920; "
+                                           "cpu preset 48)")
+    eval_total_tokens: int = setting(2_048, "thinking budget's total in evaluations (App. C.4's 2,048; cpu preset "
+                                     "64)")
+    # the answers' format: SFT's demonstrations, and distillation's held-out answers (exact reverse KL)
+    sft_thinking: str = setting("none", "what a demonstration (and a held-out answer) thinks before its action: "
+                                "none (an empty thinking block) or plan (ALFWorld: the task's state and the step it "
+                                "calls for, a short rule-written thinking)", choices=SFT_THINKING)
+
+    METHODS = METHODS           # the methods this class configures (a class attribute, not a field)
+    POSITIVE = ("generated_train_games", "updates", "batch_size", "rollout_slots", "checkpoint_every",
+                "keep_checkpoints", "max_train_tokens", "max_turns", "max_prompt_tokens", "total_tokens",
+                "page_size", "eval_max_turns", "eval_max_prompt_tokens", "eval_first_stage_tokens",
+                "eval_total_tokens")
+    POSITIVE_OR_NONE = ("train_tasks", "eval_tasks")
+    NON_NEGATIVE = ("eval_every", "second_stage_tokens")
+    ABOVE_ZERO = ("learning_rate", "max_grad_norm")
+    AT_LEAST_ZERO = ("eval_temperature", "weight_decay")
+    IN_UNIT = ()
 
     def __post_init__(self):
+        name = type(self).__name__
+        if type(self) is RunConfig:
+            raise TypeError("RunConfig holds the settings every run shares; build a DistillConfig or an SFTConfig "
+                            "(build_config chooses by method)")
         for field in dataclasses.fields(self):
             if field.type == "float":
                 value = getattr(self, field.name)
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                    raise ValueError(f"RunConfig.{field.name} must be a finite number, got {value!r}")
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; expected one of {METHODS}")
+                    raise ValueError(f"{name}.{field.name} must be a finite number, got {value!r}")
+        if self.method not in self.METHODS:
+            raise ValueError(f"unknown {name} method {self.method!r}; expected one of {self.METHODS}")
         if self.benchmark not in BENCHMARKS:
             raise ValueError(f"unknown benchmark {self.benchmark!r}; expected one of {BENCHMARKS}")
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; expected one of {PRESETS}")
-        if self.rollout_mode not in ROLLOUT_MODES:
-            raise ValueError(f"unknown rollout mode {self.rollout_mode!r}; expected one of {ROLLOUT_MODES}")
-        if self.sft_demonstrations not in SFT_DEMONSTRATIONS:
-            raise ValueError(f"unknown SFT demonstrations {self.sft_demonstrations!r}; expected one of "
-                             f"{tuple(SFT_DEMONSTRATIONS)}")
-        if self.sft_thinking not in SFT_THINKING:
-            raise ValueError(f"unknown SFT thinking {self.sft_thinking!r}; expected one of {SFT_THINKING}")
-        if self.sft_thinking != "none" and self.benchmark != "alfworld":
-            raise ValueError(f"{self.sft_thinking} thinking reads ALFWorld prompts; ScienceWorld SFT thinks nothing "
-                             "(sft_thinking 'none')")
-        if self.sft_action_format not in ACTION_FORMATS:
-            raise ValueError(f"unknown SFT action format {self.sft_action_format!r}; expected one of "
-                             f"{ACTION_FORMATS}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"unknown learning-rate schedule {self.lr_schedule!r}; expected one of {LR_SCHEDULES}")
-        if self.lr_schedule != "constant" and self.method != "sft":
-            raise ValueError(f"a {self.lr_schedule} learning-rate schedule is for SFT's fixed number of steps; the "
-                             "distillation methods keep the papers' constant rate")
-        if self.sft_action_weight != 1.0 and self.method != "sft":
-            raise ValueError("sft_action_weight weights SFT's demonstration tokens; a distillation method's token "
-                             "weights are its loss's")
-        if self.loss == "opd-exact" and self.method not in ("vanilla-opd", "actfirst"):
-            raise ValueError(f"the opd-exact loss replaces the sampled reverse KL of vanilla OPD and ActFirst-OPD; "
-                             f"{self.method} trains its own objective")
-        if self.exact_top_k is not None and self.loss != "opd-exact":
-            raise ValueError("exact_top_k sizes the opd-exact loss's teacher distribution; pass --loss opd-exact")
-        if self.sub_vocabulary and self.method != "sft":
-            raise ValueError("sub_vocabulary cuts a model down to its SFT corpus's ids; a distillation method takes "
-                             "the vocabulary its --student and --teacher folders have")
-        if self.sft_group_by_length and self.method != "sft":
-            raise ValueError("sft_group_by_length orders SFT's batches; a distillation method trains on the batches "
-                             "its rollouts give")
-        for name in ("sft_renamed_copies", "sft_take_copies", "sft_arrival_copies", "sft_change_copies",
-                     "sft_refused_copies", "sft_missing_copies", "sft_fast_copies"):
-            if getattr(self, name) and self.benchmark != "alfworld":
-                raise ValueError(f"renamed demonstration copies rename ALFWorld's classes; ScienceWorld SFT has none "
-                                 f"({name} 0)")
-        if self.sft_demonstrations == "searching-expert" and self.benchmark != "alfworld":
-            raise ValueError("the searching expert plays ALFWorld only; ScienceWorld SFT uses walkthrough (gold "
-                             "path) demonstrations")
         if self.games not in GAME_SOURCES:
             raise ValueError(f"unknown game source {self.games!r}; expected one of {GAME_SOURCES}")
         if self.generated_train_games != GeneratedCounts.train and (self.benchmark != "alfworld"
                                                                     or self.games == "official"):
             raise ValueError(f"generated_train_games={self.generated_train_games} sizes generated ALFWorld games; "
                              f"this run uses {self.benchmark} ({self.games} games)")
-        positive = ("generated_train_games", "updates", "batch_size", "rollout_slots", "collection_tasks",
-                    "checkpoint_every", "keep_checkpoints", "max_train_tokens", "max_turns", "max_prompt_tokens",
-                    "first_stage_tokens", "total_tokens", "fast_action_tokens", "num_candidates", "num_teacher_samples",
-                    "page_size", "eval_max_turns", "eval_max_prompt_tokens", "eval_first_stage_tokens",
-                    "eval_total_tokens")
-        for name in positive:
-            value = getattr(self, name)
+        for field in self.POSITIVE:
+            value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"RunConfig.{name} must be a positive integer, got {value!r}")
-        if self.rollout_backlog is not None and (isinstance(self.rollout_backlog, bool)
-                                                 or not isinstance(self.rollout_backlog, int)
-                                                 or self.rollout_backlog < 0):
-            raise ValueError(f"RunConfig.rollout_backlog must be a non-negative integer or None, "
-                             f"got {self.rollout_backlog!r}")
-        for name in ("train_tasks", "eval_tasks", "logits_chunk_size", "max_supervised_tokens", "exact_top_k"):
-            value = getattr(self, name)
+                raise ValueError(f"{name}.{field} must be a positive integer, got {value!r}")
+        for field in self.POSITIVE_OR_NONE:
+            value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"RunConfig.{name} must be a positive integer or None, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= _MAX_SEED:
-            raise ValueError(f"RunConfig.seed must be an integer from 0 to {_MAX_SEED}, got {self.seed!r}")
-        for name in ("max_version_lag", "eval_every", "second_stage_tokens", "top_k", "sft_renamed_copies",
-                     "sft_take_copies", "sft_arrival_copies", "sft_change_copies", "sft_refused_copies",
-                     "sft_missing_copies", "sft_fast_copies", "sft_group_by_length"):
-            value = getattr(self, name)
+                raise ValueError(f"{name}.{field} must be a positive integer or None, got {value!r}")
+        for field in self.NON_NEGATIVE:
+            value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"RunConfig.{name} must be a non-negative integer, got {value!r}")
-        for name in ("learning_rate", "max_grad_norm", "clip_eps", "dual_clip", "sft_epochs", "sft_action_weight"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"RunConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("temperature", "eval_temperature", "teacher_temperature", "weight_decay", "match_bonus_scale",
-                     "sft_context_weight"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"RunConfig.{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("top_p", "teacher_top_p"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"RunConfig.{name} must lie in (0, 1], got {getattr(self, name)!r}")
-        if self.first_stage_tokens > self.total_tokens:
-            raise ValueError(f"RunConfig.first_stage_tokens ({self.first_stage_tokens}) exceeds total_tokens "
-                             f"({self.total_tokens})")
+                raise ValueError(f"{name}.{field} must be a non-negative integer, got {value!r}")
+        for field in self.ABOVE_ZERO:
+            if not getattr(self, field) > 0:
+                raise ValueError(f"{name}.{field} must be > 0, got {getattr(self, field)!r}")
+        for field in self.AT_LEAST_ZERO:
+            if not getattr(self, field) >= 0:
+                raise ValueError(f"{name}.{field} must be >= 0, got {getattr(self, field)!r}")
+        for field in self.IN_UNIT:
+            if not 0 < getattr(self, field) <= 1:
+                raise ValueError(f"{name}.{field} must lie in (0, 1], got {getattr(self, field)!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= _MAX_SEED:
+            raise ValueError(f"{name}.seed must be an integer from 0 to {_MAX_SEED}, got {self.seed!r}")
         if self.eval_split is not None and self.eval_split not in EVAL_SPLITS[self.benchmark] + ("train",):
             raise ValueError(f"unknown {self.benchmark} evaluation split {self.eval_split!r}; expected one of "
                              f"{EVAL_SPLITS[self.benchmark]}")
         if not self.eval_seeds or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= _MAX_SEED
                                           for s in self.eval_seeds):
-            raise ValueError(f"RunConfig.eval_seeds must be a non-empty tuple of integers from 0 to {_MAX_SEED}, "
+            raise ValueError(f"{name}.eval_seeds must be a non-empty tuple of integers from 0 to {_MAX_SEED}, "
                              f"got {self.eval_seeds!r}")
         object.__setattr__(self, "eval_seeds", tuple(self.eval_seeds))
-        if self.dual_clip <= 1:
-            raise ValueError(f"RunConfig.dual_clip must be > 1, got {self.dual_clip}")
         if self.eval_first_stage_tokens > self.eval_total_tokens:
-            raise ValueError(f"RunConfig.eval_first_stage_tokens ({self.eval_first_stage_tokens}) exceeds "
+            raise ValueError(f"{name}.eval_first_stage_tokens ({self.eval_first_stage_tokens}) exceeds "
                              f"eval_total_tokens ({self.eval_total_tokens})")
-        self._check_models()
-        self._check_loss()
-        self._check_games()
-        self._check_token_limits()
-
-    def _check_models(self) -> None:
-        """A random-initialised model (no folder) needs an architecture preset of ``jaxopd.models.decoder``."""
-        roles = [("student", self.student, self.student_model_preset)]
-        if self.method != "sft":
-            roles.append(("teacher", self.teacher, self.teacher_model_preset))
-        for role, folder, preset in roles:
-            if folder is None and str(preset).lower().replace("_", "-") not in MODEL_PRESETS:
-                raise ValueError(f"RunConfig.{role}_model_preset {preset!r} is not a model preset (the {role} is "
-                                 f"random-initialised without a {role} folder); choose one of {sorted(MODEL_PRESETS)}")
-        if self.exact_top_k is not None and self.student is None:
-            vocab = MODEL_PRESETS[self.student_model_preset.lower().replace("_", "-")].vocab_size
-            check_exact_top_k(self.exact_top_k, vocab, f"the {self.student_model_preset} student's")
-
-    def _check_loss(self) -> None:
-        """A loss flag that would train nothing, or something other than the method says, is refused."""
-        own = DEFAULT_LOSSES.get(self.method, "opd")
-        if self.method == "sft" and self.loss not in (None, "sft"):
-            raise ValueError(f"RunConfig.loss {self.loss!r}: the sft method trains the likelihood of demonstrations "
-                             "(loss sft); the distillation losses need a teacher and rollouts")
-        if self.method != "sft" and self.loss == "sft":
-            raise ValueError(f"RunConfig.loss 'sft' trains on demonstrations; {self.method} distils from its "
-                             f"rollouts (its loss: {own}); for SFT use --method sft")
-        if self.loss == "action-opd" and self.method != "actionopd":
-            raise ValueError(f"RunConfig.loss 'action-opd' reads ActionOPD's group advantages, which only the "
-                             f"actionopd method's rollouts carry; on {self.method}'s samples they are 0, and so are "
-                             f"its loss and gradient (its loss: {own})")
-        if self.method == "actionopd" and self.loss not in (None, "action-opd"):
-            raise ValueError(f"RunConfig.loss {self.loss!r}: ActionOPD's candidates are trained by its "
-                             "agreement-reward objective (loss action-opd); its teacher is a black box")
-        if self.advantage_logp not in ADVANTAGE_LOGP:
-            raise ValueError(f"RunConfig.advantage_logp must be one of {ADVANTAGE_LOGP}, got {self.advantage_logp!r}")
-        if self.advantage_logp != "current" and self.resolved_loss not in ADVANTAGE_KINDS:
-            raise ValueError(f"RunConfig.advantage_logp {self.advantage_logp!r} chooses the log-prob of the sampled "
-                             f"reverse-KL advantage of the {' / '.join(ADVANTAGE_KINDS)} losses; {self.method} trains "
-                             f"{self.resolved_loss}")
-
-    def _check_games(self) -> None:
         if self.benchmark == "scienceworld" and self.games != "auto":
-            raise ValueError(f"RunConfig.games {self.games!r} chooses ALFWorld's game source (official or "
+            raise ValueError(f"{name}.games {self.games!r} chooses ALFWorld's game source (official or "
                              "generated); ScienceWorld has one, the scienceworld wheel's tasks")
         if (self.train_tasks is not None and self.benchmark == "alfworld" and self.games == "generated"
                 and self.train_tasks > self.generated_train_games):
-            raise ValueError(f"RunConfig.train_tasks {self.train_tasks} exceeds the {self.generated_train_games} "
+            raise ValueError(f"{name}.train_tasks {self.train_tasks} exceeds the {self.generated_train_games} "
                              "generated ALFWorld training games (generated_train_games)")
+        if self.sft_thinking not in SFT_THINKING:
+            raise ValueError(f"unknown SFT thinking {self.sft_thinking!r}; expected one of {SFT_THINKING}")
+        if self.sft_thinking != "none" and self.benchmark != "alfworld":
+            raise ValueError(f"{self.sft_thinking} thinking reads ALFWorld prompts; ScienceWorld SFT thinks nothing "
+                             "(sft_thinking 'none')")
+        self._check_models()
+        self._check()
 
-    def _check_token_limits(self) -> None:
-        """Limits under which nothing could be trained on: every training sample is a prompt of at most
-        ``max_prompt_tokens`` and a response of at most ``total_tokens`` (SFT: a demonstration's)."""
-        if self.method == "sft":
-            if self.max_train_tokens <= self.max_prompt_tokens:
-                raise ValueError(f"RunConfig.max_train_tokens ({self.max_train_tokens}) leaves no room for a "
-                                 f"demonstration's answer after a prompt of max_prompt_tokens "
-                                 f"({self.max_prompt_tokens}); raise max_train_tokens or lower max_prompt_tokens")
-            return
-        longest = self.max_prompt_tokens + self.total_tokens
-        if self.max_train_tokens < longest:
-            raise ValueError(f"RunConfig.max_train_tokens ({self.max_train_tokens}) is below max_prompt_tokens + "
-                             f"total_tokens ({self.max_prompt_tokens} + {self.total_tokens} = {longest}), the longest "
-                             "turn-level sample; the samples of long prompts would be dropped")
-        if self.max_supervised_tokens is not None and self.max_supervised_tokens < self.total_tokens:
-            raise ValueError(f"RunConfig.max_supervised_tokens ({self.max_supervised_tokens}) is below total_tokens "
-                             f"({self.total_tokens}): a whole response could not be trained on")
+    def _model_roles(self) -> list[tuple[str, str | None, str]]:
+        return [("student", self.student, self.student_model_preset)]
+
+    def _check_models(self) -> None:
+        """A random-initialised model (no folder) needs an architecture preset of ``jaxopd.models.decoder``."""
+        for role, folder, preset in self._model_roles():
+            if folder is None and str(preset).lower().replace("_", "-") not in MODEL_PRESETS:
+                raise ValueError(f"{type(self).__name__}.{role}_model_preset {preset!r} is not a model preset (the "
+                                 f"{role} is random-initialised without a {role} folder); choose one of "
+                                 f"{sorted(MODEL_PRESETS)}")
+
+    def _check(self) -> None:
+        """The checks of the subclass's own fields."""
 
     @property
     def resolved_loss(self) -> str:
         """The loss the run trains: ``loss``, or the method's own."""
-        return self.loss or DEFAULT_LOSSES.get(self.method, "opd")
+        return getattr(self, "loss", None) or DEFAULT_LOSSES.get(self.method, "opd")
 
     @property
     def resolved_eval_split(self) -> str:
         return self.eval_split or EVAL_SPLITS[self.benchmark][-1]
-
-    def backlog_limit(self) -> int | None:
-        """The samples the async runners may keep ahead of the trainer (``rollout_backlog`` resolved; None: no
-        bound)."""
-        if self.rollout_backlog is None:
-            return self.batch_size * (self.max_version_lag + 1)
-        return self.rollout_backlog or None
 
     @property
     def departures(self) -> tuple[str, ...]:
@@ -380,11 +232,15 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+        """The config of ``data`` (a ``to_dict``): an ``SFTConfig`` for method ``sft``, else a ``DistillConfig``
+        (called on a subclass: that one)."""
+        if cls is RunConfig:
+            cls = config_class(data.get("method", "actfirst"))
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k != "departures"}      # derived, not a setting
         unknown = sorted(set(values) - names)
         if unknown:
-            raise ValueError(f"unknown RunConfig fields {unknown}")
+            raise ValueError(f"unknown {cls.__name__} fields {unknown}")
         if "eval_seeds" in values:
             values["eval_seeds"] = tuple(values["eval_seeds"])
         return cls(**values)
@@ -402,6 +258,202 @@ class RunConfig:
         return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class DistillConfig(RunConfig):
+    """A distillation run (vanilla OPD, ActFirst-OPD and its ablations, STI-OPD, ActionOPD).
+
+    Schedule: ``updates`` optimizer updates of ``batch_size`` turn-level responses each; samples older than
+    ``max_version_lag`` versions are dropped. ActionOPD collects ``collection_tasks`` task starts with one policy
+    snapshot, then trains one epoch of ``batch_size`` minibatches over them.
+
+    ``rollout_mode``: ``async`` (the papers' pipeline: runners stream episodes into the buffer while the trainer
+    steps, so which sample lands in which batch depends on thread timing) or ``sync`` (reproducible: between two
+    updates the runners play waves of ``rollout_slots`` episodes in task order with the current weights).
+
+    ``rollout_backlog`` (async): how many samples the runners may keep ahead of the trainer, counting the fresh
+    samples buffered and, for each episode in flight or delivered but not yet buffered, the mean sample count of
+    the episodes delivered so far (``max_turns`` before the first); a runner starts an episode only below it.
+    None: ``batch_size * (max_version_lag + 1)``; 0: no bound. ``advantage_logp``: which student log-prob OPD's and
+    STI-OPD's advantage reads (``jaxopd.train.step.LossConfig.advantage_logp``).
+    """
+
+    teacher: str | None = setting(None, "Hugging Face model folder of the teacher", metavar="DIR")
+    teacher_model_preset: str = setting("qwen3-8b", "random-initialised teacher when no --teacher")
+    collection_tasks: int = setting(64, "ActionOPD: task starts collected with one policy snapshot")
+    max_version_lag: int = setting(1, "samples older than this many policy versions are dropped")
+    rollout_mode: str = setting("async", "async: the papers' streaming runners; sync: waves in task order between "
+                                "updates, reproducible (a killed and resumed run gives the same losses)",
+                                choices=ROLLOUT_MODES)
+    rollout_backlog: int | None = setting(None, "async: samples the runners may keep ahead of the trainer (default: "
+                                          "batch size x (max version lag + 1)); 0: no bound, runners never pause",
+                                          metavar="SAMPLES")
+    clip_eps: float = setting(0.2, "the surrogate's ratio clip")
+    dual_clip: float = setting(3.0, "the surrogate's dual clip (> 1)")
+    loss: str | None = setting(None, "the loss instead of the method's own; opd-exact: vanilla OPD's reverse KL "
+                               "computed over the whole vocabulary at each sampled state (not the papers' form; needs "
+                               "--max-supervised-tokens)", choices=LOSS_KINDS)
+    advantage_logp: str = setting("current", "opd / sti-opd losses: the student log-prob of the advantage -(log pi - "
+                                  "log pi_T): current (the forward pass being trained) or sampled (the rollout's "
+                                  "stored one, as Trinity-RFT computes it)", choices=ADVANTAGE_LOGP)
+    exact_top_k: int | None = setting(None, "opd-exact only: carry the teacher's top K ids and the mass of the rest "
+                                      "at each state instead of its whole log-softmax (a lower bound of the exact "
+                                      "reverse KL; for large vocabularies such as Qwen3's, e.g. 64); default: all ids",
+                                      metavar="K")
+    logits_chunk_size: int | None = setting(1024, "positions per chunk of the step's logits (memory)")
+    max_supervised_tokens: int | None = setting(None, "project only this many response positions in the step")
+    first_stage_tokens: int = setting(384, "thinking budget's first stage (App. B.3)")
+    fast_action_tokens: int = setting(512, "ActFirst-OPD: the fast action-only request's token limit")
+    temperature: float = setting(1.0, "rollout sampling temperature")
+    top_p: float = setting(1.0, "rollout nucleus sampling")
+    top_k: int = setting(0, "rollout top-k sampling (0: off)")
+    # ActionOPD (Tables 7-8)
+    num_candidates: int = setting(4, "ActionOPD: student candidates per decision (N)")
+    num_teacher_samples: int = setting(3, "ActionOPD: teacher samples per decision (K)")
+    match_bonus_scale: float = setting(0.5, "ActionOPD: agreement-reward bonus (lambda)")
+    teacher_temperature: float = setting(0.6, "ActionOPD: teacher sampling temperature")
+    teacher_top_p: float = setting(0.95, "ActionOPD: teacher nucleus sampling")
+
+    METHODS = DISTILL_METHODS
+    POSITIVE = RunConfig.POSITIVE + ("collection_tasks", "first_stage_tokens", "fast_action_tokens",
+                                     "num_candidates", "num_teacher_samples")
+    POSITIVE_OR_NONE = RunConfig.POSITIVE_OR_NONE + ("logits_chunk_size", "max_supervised_tokens", "exact_top_k")
+    NON_NEGATIVE = RunConfig.NON_NEGATIVE + ("max_version_lag", "top_k")
+    ABOVE_ZERO = RunConfig.ABOVE_ZERO + ("clip_eps", "dual_clip")
+    AT_LEAST_ZERO = RunConfig.AT_LEAST_ZERO + ("temperature", "teacher_temperature", "match_bonus_scale")
+    IN_UNIT = ("top_p", "teacher_top_p")
+
+    def _model_roles(self) -> list[tuple[str, str | None, str]]:
+        return super()._model_roles() + [("teacher", self.teacher, self.teacher_model_preset)]
+
+    def _check(self) -> None:
+        if self.rollout_mode not in ROLLOUT_MODES:
+            raise ValueError(f"unknown rollout mode {self.rollout_mode!r}; expected one of {ROLLOUT_MODES}")
+        if self.rollout_backlog is not None and (isinstance(self.rollout_backlog, bool)
+                                                 or not isinstance(self.rollout_backlog, int)
+                                                 or self.rollout_backlog < 0):
+            raise ValueError(f"DistillConfig.rollout_backlog must be a non-negative integer or None, "
+                             f"got {self.rollout_backlog!r}")
+        if self.dual_clip <= 1:
+            raise ValueError(f"DistillConfig.dual_clip must be > 1, got {self.dual_clip}")
+        if self.first_stage_tokens > self.total_tokens:
+            raise ValueError(f"DistillConfig.first_stage_tokens ({self.first_stage_tokens}) exceeds total_tokens "
+                             f"({self.total_tokens})")
+        if self.exact_top_k is not None and self.student is None:
+            vocab = MODEL_PRESETS[self.student_model_preset.lower().replace("_", "-")].vocab_size
+            check_exact_top_k(self.exact_top_k, vocab, f"the {self.student_model_preset} student's")
+        self._check_loss()
+        self._check_token_limits()
+
+    def _check_loss(self) -> None:
+        """A loss flag that would train nothing, or something other than the method says, is refused."""
+        own = DEFAULT_LOSSES.get(self.method, "opd")
+        if self.loss is not None and self.loss not in LOSS_KINDS:
+            raise ValueError(f"unknown loss {self.loss!r}; expected one of {LOSS_KINDS}")
+        if self.loss == "sft":
+            raise ValueError(f"DistillConfig.loss 'sft' trains on demonstrations; {self.method} distils from its "
+                             f"rollouts (its loss: {own}); for SFT use --method sft")
+        if self.loss == "opd-exact" and self.method not in ("vanilla-opd", "actfirst"):
+            raise ValueError(f"the opd-exact loss replaces the sampled reverse KL of vanilla OPD and ActFirst-OPD; "
+                             f"{self.method} trains its own objective")
+        if self.exact_top_k is not None and self.loss != "opd-exact":
+            raise ValueError("exact_top_k sizes the opd-exact loss's teacher distribution; pass --loss opd-exact")
+        if self.loss == "action-opd" and self.method != "actionopd":
+            raise ValueError(f"DistillConfig.loss 'action-opd' reads ActionOPD's group advantages, which only the "
+                             f"actionopd method's rollouts carry; on {self.method}'s samples they are 0, and so are "
+                             f"its loss and gradient (its loss: {own})")
+        if self.method == "actionopd" and self.loss not in (None, "action-opd"):
+            raise ValueError(f"DistillConfig.loss {self.loss!r}: ActionOPD's candidates are trained by its "
+                             "agreement-reward objective (loss action-opd); its teacher is a black box")
+        if self.advantage_logp not in ADVANTAGE_LOGP:
+            raise ValueError(f"DistillConfig.advantage_logp must be one of {ADVANTAGE_LOGP}, got "
+                             f"{self.advantage_logp!r}")
+        if self.advantage_logp != "current" and self.resolved_loss not in ADVANTAGE_KINDS:
+            raise ValueError(f"DistillConfig.advantage_logp {self.advantage_logp!r} chooses the log-prob of the "
+                             f"sampled reverse-KL advantage of the {' / '.join(ADVANTAGE_KINDS)} losses; "
+                             f"{self.method} trains {self.resolved_loss}")
+
+    def _check_token_limits(self) -> None:
+        """Limits under which nothing could be trained on: every training sample is a prompt of at most
+        ``max_prompt_tokens`` and a response of at most ``total_tokens``."""
+        longest = self.max_prompt_tokens + self.total_tokens
+        if self.max_train_tokens < longest:
+            raise ValueError(f"DistillConfig.max_train_tokens ({self.max_train_tokens}) is below max_prompt_tokens + "
+                             f"total_tokens ({self.max_prompt_tokens} + {self.total_tokens} = {longest}), the longest "
+                             "turn-level sample; the samples of long prompts would be dropped")
+        if self.max_supervised_tokens is not None and self.max_supervised_tokens < self.total_tokens:
+            raise ValueError(f"DistillConfig.max_supervised_tokens ({self.max_supervised_tokens}) is below "
+                             f"total_tokens ({self.total_tokens}): a whole response could not be trained on")
+
+    def backlog_limit(self) -> int | None:
+        """The samples the async runners may keep ahead of the trainer (``rollout_backlog`` resolved; None: no
+        bound)."""
+        if self.rollout_backlog is None:
+            return self.batch_size * (self.max_version_lag + 1)
+        return self.rollout_backlog or None
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig(RunConfig):
+    """Supervised fine-tuning on demonstrations (``--method sft``: how a teacher is made here): ``sft_epochs`` over
+    the demonstration turns of the training games, answered in the full think-then-act format (``sft_thinking``)
+    and, with ``sft_fast_copies``, also as ActFirst-OPD's action-only requests."""
+
+    method: str = setting("sft", "the training method", choices=METHODS)
+    sft_epochs: float = setting(3.0, "epochs over the demonstration turns (when --steps is not given)")
+    sft_demonstrations: str = setting("walkthrough", "what SFT imitates: the planner's walkthroughs, or ALFWorld's "
+                                      "searching expert, which looks for objects from what it has seen (its won "
+                                      "episodes only)", choices=tuple(SFT_DEMONSTRATIONS))
+    sft_fast_copies: int = setting(0, "copies of every turn as ActFirst-OPD's action-only requests (next-action and "
+                                   "inverse-dynamics prompts answered by the action tag alone), so that the model "
+                                   "can act in ActFirst's rollouts", metavar="K")
+    lr_schedule: str = setting("constant", "constant learning rate, or cosine (warm-up over 5 % of the steps, then "
+                               "a half cosine down to a tenth)", choices=LR_SCHEDULES)
+    sft_group_by_length: int = setting(0, "batches of samples of similar length (less padding, faster steps): each "
+                                       "window of W batches of the epoch's shuffled order is sorted by length, cut, "
+                                       "and its batches shuffled; 0: off", metavar="W")
+
+    METHODS = ("sft",)
+    NON_NEGATIVE = RunConfig.NON_NEGATIVE + ("sft_fast_copies", "sft_group_by_length")
+    ABOVE_ZERO = RunConfig.ABOVE_ZERO + ("sft_epochs",)
+
+    def _check(self) -> None:
+        if self.sft_demonstrations not in SFT_DEMONSTRATIONS:
+            raise ValueError(f"unknown SFT demonstrations {self.sft_demonstrations!r}; expected one of "
+                             f"{tuple(SFT_DEMONSTRATIONS)}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"unknown learning-rate schedule {self.lr_schedule!r}; expected one of {LR_SCHEDULES}")
+        if self.benchmark != "alfworld" and self.sft_demonstrations == "searching-expert":
+            raise ValueError("the searching expert plays ALFWorld only; ScienceWorld SFT uses walkthrough (gold "
+                             "path) demonstrations")
+        if self.max_train_tokens <= self.max_prompt_tokens:
+            raise ValueError(f"SFTConfig.max_train_tokens ({self.max_train_tokens}) leaves no room for a "
+                             f"demonstration's answer after a prompt of max_prompt_tokens "
+                             f"({self.max_prompt_tokens}); raise max_train_tokens or lower max_prompt_tokens")
+
+
+def config_class(method: str) -> type[RunConfig]:
+    """``SFTConfig`` for ``sft``, ``DistillConfig`` for a distillation method; ``ValueError`` for another name."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    return SFTConfig if method == "sft" else DistillConfig
+
+
+def field_names(cls: type[RunConfig]) -> frozenset[str]:
+    """The field names of a config class."""
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+ALL_FIELDS = field_names(DistillConfig) | field_names(SFTConfig)
+"""Every field of either config (what a config file or a flag may set)."""
+
+
+def field_owner(name: str) -> str:
+    """Which kind of run reads field ``name``: ``distillation``, ``SFT`` or ``every run``."""
+    if name in field_names(DistillConfig) and name in field_names(SFTConfig):
+        return "every run"
+    return "an SFT" if name in field_names(SFTConfig) else "a distillation"
+
+
 # Each method's paper settings that differ from the shared (ActFirst-OPD Table 6) ones.
 METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     # STI-OPD setup table: 200 steps, batch 32 prompts (ALFWorld, ScienceWorld), lr 1e-6, clip 1.0, T 1.0, top-p 1.0
@@ -411,13 +463,13 @@ METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     # Sec. 3.1: its students are evaluated with greedy decoding
     "actionopd": {"updates": 100, "batch_size": 32, "collection_tasks": 64, "temperature": 0.6, "top_p": 0.95,
                   "top_k": 20, "max_turns": 20, "eval_greedy": True},
-    # supervised fine-tuning of the teacher on walkthroughs (no paper: our own CPU teacher)
+    # supervised fine-tuning of a teacher on demonstrations (no paper: this project's way to make a teacher)
     "sft": {"learning_rate": 1e-3, "weight_decay": 0.0, "batch_size": 16},
 }
 
 # Preset sizing. ``paper`` is the papers' setting; ``gpu`` one GPU; ``cpu`` a 2-core machine (tiny models,
-# short responses, a few updates; its thinking budget, 48 of 64 tokens, holds the state thinking of the SFT
-# teacher, whose longest response is 44 tokens); each also names the models a run uses without checkpoint folders.
+# short responses, a few updates); each also names the models a run uses without checkpoint folders. A preset sets
+# only the fields the method's config has (``build_config``).
 # Evaluation: ``paper`` keeps App. C.4's limits (the RunConfig defaults); ``gpu`` its own prompt limit (20,480-token
 # prompts for 32 engine slots would not fit one GPU's KV cache), ``cpu`` its training limits (a 2,048-token answer
 # of the tiny model takes minutes on 2 cores); both are listed among the run's departures.
@@ -447,7 +499,7 @@ _PRESET_KEEPS_METHOD = {"sft": {"learning_rate", "batch_size"}}
 _NOT_A_PAPER_SETTING = {"method", "preset", "student", "teacher", "student_model_preset", "teacher_model_preset",
                         "games", "generated_train_games", "seed", "checkpoint_every", "keep_checkpoints",
                         "logits_chunk_size", "max_supervised_tokens", "page_size", "prefix_sharing", "eval_every",
-                        "eval_split", "advantage_logp"}
+                        "eval_split", "advantage_logp", "sft_thinking"}
 _METHOD_ONLY_FIELDS = {"collection_tasks": "actionopd", "num_candidates": "actionopd",
                        "num_teacher_samples": "actionopd", "match_bonus_scale": "actionopd",
                        "teacher_temperature": "actionopd", "teacher_top_p": "actionopd",
@@ -458,7 +510,7 @@ _METHOD_ONLY_FIELDS = {"collection_tasks": "actionopd", "num_candidates": "actio
 def check_exact_top_k(k: int, vocab_size: int, whose: str) -> None:
     """``ValueError`` unless the opd-exact loss's top K leaves a rest of the ``vocab_size``-token vocabulary."""
     if k >= vocab_size:
-        raise ValueError(f"RunConfig.exact_top_k {k} is not below {whose} vocabulary of {vocab_size:,} ids (the "
+        raise ValueError(f"DistillConfig.exact_top_k {k} is not below {whose} vocabulary of {vocab_size:,} ids (the "
                          "top K ids and the rest of them); for every id, leave exact_top_k unset")
 
 
@@ -480,7 +532,7 @@ def check_task_source(config: RunConfig, *, evaluate: bool = True) -> None:
         root = official_games_root(config.games)
         if root is None:                                                    # generated games
             if config.train_tasks is not None and config.train_tasks > config.generated_train_games:
-                raise ValueError(f"RunConfig.train_tasks {config.train_tasks} exceeds the "
+                raise ValueError(f"{type(config).__name__}.train_tasks {config.train_tasks} exceeds the "
                                  f"{config.generated_train_games} generated ALFWorld training games "
                                  "(generated_train_games)")
             return
@@ -499,7 +551,8 @@ def check_task_source(config: RunConfig, *, evaluate: bool = True) -> None:
         available = counts[splits[0]]
         where = f"the official ALFWorld train split under ${ALFWORLD_DATA_ENV}"
     if config.train_tasks is not None and config.train_tasks > available:
-        raise ValueError(f"RunConfig.train_tasks {config.train_tasks} exceeds the {available} training tasks of "
+        raise ValueError(f"{type(config).__name__}.train_tasks {config.train_tasks} exceeds the {available} training "
+                         f"tasks of "
                          f"{where}")
 
 
@@ -526,8 +579,9 @@ def check_prompt_fits(config: RunConfig, tokenizer: Any, *, evaluate: bool = Tru
         limits.append(("eval_max_prompt_tokens", config.eval_max_prompt_tokens))
     for name, value in limits:
         if value < least:
-            raise ValueError(f"RunConfig.{name} ({value}) is below the {least} tokens of the {config.benchmark} system "
-                             "prompt and the template of an empty first turn: no prompt fits")
+            raise ValueError(f"{type(config).__name__}.{name} ({value}) is below the {least} tokens of the "
+                             f"{config.benchmark} system prompt and the template of an empty first turn: no prompt "
+                             "fits")
 
 
 def departures_of(config: RunConfig) -> tuple[str, ...]:
@@ -586,7 +640,7 @@ CONFIG_FILE_SUFFIXES = (".toml", ".yaml", ".yml", ".json")
 
 
 def read_config_file(path: Any) -> dict[str, Any]:
-    """The ``RunConfig`` fields a config file sets (``--config FILE``): a TOML, YAML or JSON mapping of field names
+    """The config fields a config file sets (``--config FILE``): a TOML, YAML or JSON mapping of field names
     to values (a run's own ``config.json`` is one), ``method`` and ``preset`` included. ``ValueError`` names a file
     that cannot be read or parsed, a value that is not a mapping, and every unknown field (``departures``, which a
     saved config carries but which follows from the fields, is ignored)."""
@@ -618,12 +672,11 @@ def read_config_file(path: Any) -> dict[str, Any]:
     except Exception as error:                      # yaml.YAMLError
         raise ValueError(f"config file {str(path)!r} is not valid YAML: {error}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"config file {str(path)!r} must hold a mapping of RunConfig fields, got "
+        raise ValueError(f"config file {str(path)!r} must hold a mapping of config fields, got "
                          f"{type(data).__name__}")
-    names = {f.name for f in dataclasses.fields(RunConfig)}
-    unknown = sorted(k for k in data if k not in names and k != "departures")
+    unknown = sorted(k for k in data if k not in ALL_FIELDS and k != "departures")
     if unknown:
-        raise ValueError(f"config file {str(path)!r}: unknown RunConfig fields {unknown}")
+        raise ValueError(f"config file {str(path)!r}: unknown config fields {unknown}")
     values = {k: v for k, v in data.items() if k != "departures"}
     if isinstance(values.get("eval_seeds"), list):
         values["eval_seeds"] = tuple(values["eval_seeds"])
@@ -631,23 +684,30 @@ def read_config_file(path: Any) -> dict[str, Any]:
 
 
 def build_config(method: str, *, preset: str = "paper", **overrides: Any) -> RunConfig:
-    """Shared defaults, then ``METHOD_DEFAULTS[method]``, then ``PRESET_OVERRIDES[preset]``, then ``overrides``
-    (None values are ignored, so argparse defaults pass through; so is ``departures``, which a saved config's dict
-    carries but which follows from the other fields)."""
+    """The config of a ``method`` run (``config_class``): shared defaults, then ``METHOD_DEFAULTS[method]``, then
+    ``PRESET_OVERRIDES[preset]`` (the fields the method's config has), then ``overrides`` (None values are ignored,
+    so argparse defaults pass through; so is ``departures``, which a saved config's dict carries but which follows
+    from the other fields). ``ValueError`` for an override the method's config does not have."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {PRESETS}")
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
-    method_defaults = METHOD_DEFAULTS.get(method, {})
+    cls = config_class(method)
+    names = field_names(cls)
+    given = {k: v for k, v in overrides.items() if v is not None and k != "departures"}
+    for name, value in given.items():
+        if name not in names:
+            where = (f"{field_owner(name)} setting" if name in ALL_FIELDS else "not a config field")
+            raise ValueError(f"{name} {value!r}: {name} is {where}; --method {method} does not read it")
     keep = _PRESET_KEEPS_METHOD.get(method, set())
     preset_values = {k: v for k, v in PRESET_OVERRIDES[preset].items() if k not in keep}
-    values: dict[str, Any] = {**method_defaults, **preset_values,
+    values: dict[str, Any] = {**METHOD_DEFAULTS.get(method, {}), **preset_values,
                               **PRESET_METHOD_OVERRIDES.get((preset, method), {})}
-    values.update({k: v for k, v in overrides.items() if v is not None and k != "departures"})
-    return RunConfig(method=method, preset=preset, **values)
+    values = {k: v for k, v in values.items() if k in names}
+    values.update(given)
+    return cls(method=method, preset=preset, **values)
 
 
-__all__ = ["CONFIG_FILE_SUFFIXES", "read_config_file", "METHODS", "PRESETS", "ROLLOUT_MODES", "SFT_DEMONSTRATIONS",
-           "SFT_THINKING", "DEFAULT_LOSSES", "RunConfig", "METHOD_DEFAULTS", "PRESET_OVERRIDES",
-           "PRESET_METHOD_OVERRIDES", "build_config", "check_exact_top_k", "check_task_source",
+__all__ = ["CONFIG_FILE_SUFFIXES", "read_config_file", "METHODS", "DISTILL_METHODS", "PRESETS", "ROLLOUT_MODES",
+           "SFT_DEMONSTRATIONS", "SFT_THINKING", "DEFAULT_LOSSES", "RunConfig", "DistillConfig", "SFTConfig",
+           "ALL_FIELDS", "config_class", "field_names", "field_owner", "setting", "METHOD_DEFAULTS",
+           "PRESET_OVERRIDES", "PRESET_METHOD_OVERRIDES", "build_config", "check_exact_top_k", "check_task_source",
            "minimal_prompt_tokens", "check_prompt_fits", "departures_of"]

@@ -1,48 +1,36 @@
-"""Supervised fine-tuning data: demonstrations as turn-level training samples for a teacher.
+"""Supervised fine-tuning data: demonstrations as turn-level training samples.
 
 A demonstration is a validated ``jaxopd_envs.references.ReferenceTrajectory``: the planner's walkthrough, or ALFWorld's
-searching expert's won episode (``config.SFT_DEMONSTRATIONS`` maps ``RunConfig.sft_demonstrations`` to the kind).
-The functions below say "walkthrough" for either.
+searching expert's won episode (``config.SFT_DEMONSTRATIONS``); the functions below say "walkthrough" for either.
+Owns the target answer of one turn in the papers' prompts (:func:`response_text`: the think-then-act answer, its
+thinking empty or :func:`plan_text`'s short rule-written plan; :func:`fast_action_text`: the action-only answer of
+ActFirst-OPD's fast requests), the prompts of a reference's turns built exactly as a live rollout builds them
+(:func:`walkthrough_turns`), their tokenisation into ``Sample`` records (:func:`walkthrough_samples`), a run
+config's corpus (:func:`sft_corpus`) and :class:`SFTDataset`, a seeded, resumable per-epoch shuffle into batches.
 
-Owns the teacher's target answer for one turn (:func:`response_text`: a thinking block, empty or holding
-:func:`state_thinking`'s reasoning over what the prompt shows, :func:`plan_text`'s, which adds the step it
-calls for, or :func:`plan_here_text`'s, which adds where the agent is, chosen by :func:`thinking_text`; and
-the ``<action>`` tag, what the rollout's full think-then-act mode parses), the per-turn prompt inputs of a
-reference trajectory built exactly as a live rollout builds them (:func:`walkthrough_turns`, mirroring
-``RolloutStrategy.prompt_inputs``, so an SFT prompt is byte-identical to the prompt the agent sees at that
-state), their tokenisation into ``train.buffer.Sample`` records under the rollout's prompt budget
-(:func:`walkthrough_samples`, with its counts in :class:`WalkthroughStats`), and :class:`SFTDataset`, a
-seeded per-epoch shuffle into fixed-size lists of samples that a run can resume at (epoch, batch index).
-
-The samples train with ``LossConfig(kind="sft", temperature=1.0)`` (``jaxopd.losses.sft_loss``): the loss
-mask covers the response tokens and its closing end-of-turn token, never the prompt; behaviour log-probs
-are zeros (nothing was sampled) and the policy version is 0. With an action weight (``RunConfig.sft_action_weight``)
-a sample's ``loss_weight`` weighs its action tag (:func:`action_token_start` on) against its thinking.
+The samples train with the ``sft`` loss (``jaxopd.losses.sft_loss``): the loss mask covers the response tokens and
+its closing end-of-turn token, never the prompt; behaviour log-probs are zeros and the policy version is 0.
 """
 from __future__ import annotations
 
 import dataclasses
-import re
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+import os
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from jaxopd_envs.alfworld import REFUSED_FEEDBACK
 from jaxopd_envs.alfworld_state import TaskState, parse_goal, task_state
+from jaxopd_envs.base import Task
 from jaxopd_envs.references import ReferenceTrajectory
-from jaxopd.methods.config import SFT_THINKING
+from jaxopd.methods.benchmarks import TRAIN_SPLIT, BenchmarkSource, references_for, subset
+from jaxopd.methods.config import SFT_DEMONSTRATIONS, SFT_THINKING
 from jaxopd.rollout.prompts import PromptInputs, PromptOverBudget, executed_actions_and_answers, render_prompt
-from jaxopd.rollout.tags import ACTION_END, ACTION_FORMATS, ACTION_START, THINK_END, THINK_START
+from jaxopd.rollout.tags import ACTION_END, ACTION_START, THINK_END, THINK_START
 from jaxopd.sample import Sample
 
-__all__ = ["SFT_MODE", "FAST_MODES", "fast_action_text",
-           "response_text", "state_thinking", "state_text", "plan_text", "plan_here_text",
-           "task_plan_here_text", "task_list_plan_here_text", "listing_sentence", "task_list_act_here_text",
-           "tool_sentence", "tool_said", "task_tool_act_here_text",
-           "refused_sentence", "task_tool_refused_act_here_text", "refused_turn", "missing_receptacle",
-           "missing_turn", "REWRITTEN_TURNS", "THINKING_RULES",
-           "thinking_text", "WalkthroughTurn",
-           "walkthrough_turns", "WalkthroughStats", "action_token_start", "walkthrough_samples", "SFTDataset"]
+__all__ = ["SFT_MODE", "FAST_MODES", "response_text", "fast_action_text", "plan_text", "thinking_text",
+           "WalkthroughTurn", "walkthrough_turns", "WalkthroughStats", "walkthrough_samples", "SFTCorpus",
+           "sft_corpus", "SFTDataset"]
 
 SFT_MODE = "full"
 """The generation mode whose prompts SFT trains on: the full think-then-act mode of the rollouts, whose
@@ -50,23 +38,18 @@ prompt ends at the open assistant turn (thinking on), so the response starts wit
 
 FAST_MODES = ("next_action", "inverse_dynamics")
 """The action-only generation modes of ActFirst-OPD's fast requests (``rollout.prompts.GENERATION_MODES``), which
-``RunConfig.sft_fast_copies`` demonstrates too: a student fine-tuned on full answers alone never learned them
-(measured 2026-11 on the tiny CPU teacher)."""
+``SFTConfig.sft_fast_copies`` demonstrates too: a model fine-tuned on full answers alone does not learn them."""
 
 
-def response_text(action: str, thinking: str = "", action_format: str = "tight") -> str:
-    """The teacher's answer for one turn: a thinking block followed by the action tag.
+def response_text(action: str, thinking: str = "") -> str:
+    """The think-then-act answer of one turn: a thinking block followed by the action tag.
 
     Without ``thinking``: ``<think>\\n\\n</think>\\n\\n<action>{action}</action>``, what Qwen3's chat template
     writes for an assistant turn without reasoning (the project's answer format for every model family: a Llama
     tokenizer spells the tags as plain text); with it, ``<think>\\n{thinking}\\n</think>\\n\\n<action>…``.
     ``jaxopd.rollout.actions.extract_action`` parses either back to ``action``. The end-of-turn token
-    (the tokenizer's ``eos_token_id``: ``<|im_end|>`` in ChatML) follows it in a sample's ids. ``action_format``
-    (``tags.ACTION_FORMATS``): ``spaced`` writes ``<action> {action}</action>``; ``said`` does so when the thinking
-    ends on saying ``action`` (:func:`command_said`), else writes it ``tight``.
+    (the tokenizer's ``eos_token_id``: ``<|im_end|>`` in ChatML) follows it in a sample's ids.
     """
-    if action_format not in ACTION_FORMATS:
-        raise ValueError(f"unknown action format {action_format!r}; expected one of {ACTION_FORMATS}")
     _check_action(action, "response_text")
     if not isinstance(thinking, str) or thinking != thinking.strip():
         raise ValueError(f"thinking must be a str without surrounding whitespace, got {thinking!r}")
@@ -74,8 +57,7 @@ def response_text(action: str, thinking: str = "", action_format: str = "tight")
         if tag in thinking:
             raise ValueError(f"the thinking {thinking!r} contains the tag {tag!r}")
     thought = f"\n{thinking}\n" if thinking else "\n\n"
-    spaced = action_format == "spaced" or (action_format == "said" and command_said(thinking) == action)
-    return f"{THINK_START}{thought}{THINK_END}\n\n{ACTION_START}{' ' if spaced else ''}{action}{ACTION_END}"
+    return f"{THINK_START}{thought}{THINK_END}\n\n{ACTION_START}{action}{ACTION_END}"
 
 
 def fast_action_text(action: str) -> str:
@@ -97,77 +79,23 @@ def _check_action(action: str, caller: str) -> None:
             raise ValueError(f"the action {action!r} contains the tag {tag!r}")
 
 
-def state_thinking(inputs: PromptInputs) -> str:
-    """A short reasoning over what the prompt shows, for ALFWorld demonstrations (``--sft-thinking state``).
-
-    Read by ``jaxopd_envs.alfworld_state`` from the instruction, the executed actions with the engine's answers (the
-    full history h_t) and the current observation: the goal object held (and whether it is already clean, hot or
-    cool), or the object still needed and the first one in view; for two-object tasks how many are in place; for
-    look tasks the lamp in view once the object is held. E.g. ``"I need a apple. I see apple 4 here."``. It is
-    written by this rule, not by a model; it gives the demonstration a state to reason from and ActFirst-OPD
-    thinking to skip. ``ValueError`` for an instruction of none of the six task types.
-    """
-    return thinking_text(inputs, "state")
-
-
-def state_text(state: TaskState) -> str:
-    """:func:`state_thinking`'s words for a ``TaskState`` (``jaxopd_envs.alfworld_state.task_state``)."""
-    goal = state.goal
-    parts = []
-    if goal.count > 1 and state.placed:
-        parts.append(f"{state.placed} of {goal.count} placed.")
-    if state.held:
-        parts.append(f"I hold {state.held}" + (f", now {goal.change}." if state.changed else "."))
-        if state.lamps_in_view:
-            parts.append(in_view_sentence(state.lamps_in_view[0]))
-    else:
-        parts.append(f"I need a {goal.obj}.")
-        if state.in_view:
-            parts.append(in_view_sentence(state.in_view[0]))
-    return " ".join(parts)
-
-
 def in_view_sentence(name: str) -> str:
     """The thinking rules' sentence for an object in view: ``"I see apple 4 here."``."""
     return f"I see {name} here."
 
 
-def says_in_view(thinking: str | None, object_class: str | None) -> bool:
-    """Whether ``thinking`` says (:func:`in_view_sentence`) that an object of ``object_class`` is in view."""
-    return bool(thinking and object_class
-                and re.search(rf"\bI see {re.escape(object_class)} \d+ here\.", thinking))
-
-
-def named_in_view(thinking: str | None) -> str | None:
-    """The object a thinking says is in view (:func:`in_view_sentence`, the first such sentence), or None."""
-    found = re.search(r"\bI see ([a-z]+ \d+) here\.", thinking or "")
-    return found.group(1) if found else None
-
-
-def change_said(thinking: str | None) -> tuple[str, str] | None:
-    """The (verb, tool class) of a thinking's change sentence (:func:`plan_text`: "I must cool it with a fridge."),
-    or None."""
-    found = re.search(r"\bI must ([a-z]+) it with a ([a-z]+)\.", thinking or "")
-    return (found.group(1), found.group(2)) if found else None
-
-
-def command_said(thinking: str | None) -> str | None:
-    """The command a thinking ends on (``task-list-act-here``: "... I can take cup 2 from countertop 1."), or None
-    (also for ``task-plan-here``'s "I can cool it here.", which names no command)."""
-    found = re.search(r"\bI can (?![a-z]+ it here\.)([^.]+)\.\s*$", thinking or "")
-    return found.group(1).strip() if found else None
-
-
 def plan_text(state: TaskState) -> str:
-    """:func:`state_text`'s state with the step it calls for next (``--sft-thinking plan``).
+    """A short thinking for an ALFWorld turn (``--sft-thinking plan``): the task's state, read by
+    ``jaxopd_envs.alfworld_state`` from the instruction, the executed actions with the engine's answers and the current
+    observation (the goal object held, or the one still needed and the first in view: ``"I need a apple. I see
+    apple 4 here."``), and the step it calls for next. It is written by this rule, not by a model.
 
     What the task still asks of that state, in the instruction's and the commands' words: holding an object that
     must be cleaned, heated or cooled, the command and receptacle class that do it (``"I hold apple 4. I must cool
     it with a fridge."``, ``jaxopd_envs.alfworld_state.CHANGE_TOOLS``); once it is changed (or when the task changes
     nothing), the receptacle class it goes in (``"I hold apple 4, now cool. It goes in garbagecan."``); in a look
     task, the lamp to find (``"I hold cd 1. I need a desklamp."``). A two-object task counts its placed objects
-    from the first turn (``"0 of 2 placed."``), so a count never appears in a one-object task's thinking. The
-    object still needed and the first in view are said as in :func:`state_text`.
+    from the first turn (``"0 of 2 placed."``), so a count never appears in a one-object task's thinking.
     """
     goal = state.goal
     parts = [f"{state.placed} of {goal.count} placed."] if goal.count > 1 else []
@@ -188,21 +116,6 @@ def plan_text(state: TaskState) -> str:
     return " ".join(parts)
 
 
-def plan_here_text(state: TaskState) -> str:
-    """:func:`plan_text` and where the agent is (``--sft-thinking plan-here``).
-
-    After the plan, the receptacle the agent last arrived at, and whether the engine said it is closed (``"I hold
-    mug 2. I must cool it with a fridge. I am at fridge 1."``, ``"I need a mug. I am at drawer 1. It is closed."``;
-    nothing before the first arrival). The plan says what the step needs, the location whether it can be done
-    here: side by side, the two pick the command's verb (``cool`` here, ``go`` elsewhere; ``open`` a closed one;
-    ``take`` an object in view) and hold both names the command copies.
-    """
-    text = plan_text(state)
-    if state.location is not None:
-        text += f" I am at {state.location}." + (" It is closed." if state.location_closed else "")
-    return text
-
-
 def _state_of(inputs: PromptInputs, kind: str) -> TaskState:
     if inputs.benchmark != "alfworld":
         raise ValueError(f"{kind} thinking reads ALFWorld prompts, not {inputs.benchmark}")
@@ -213,185 +126,8 @@ def _state_of(inputs: PromptInputs, kind: str) -> TaskState:
     return task_state(goal, actions, answers, inputs.observation)
 
 
-def task_plan_here_text(state: TaskState) -> str:
-    """The instruction word for word, then :func:`plan_here_text`, then the tool's command when the agent holds the
-    unchanged object at a receptacle of the tool's class (``--sft-thinking task-plan-here``):
-    ``"Your task is to: cool some apple and put it in garbagecan. I hold apple 1. I must cool it with a fridge. I am at
-    fridge 1. It is closed. I can cool it here."``
-
-    Why each part. Free-running, an SFT'd tiny preset's thinking named an object of the current observation, or
-    copied the prompt's own instructions, instead of the goal: its copy head takes the nearest matching context.
-    The instruction, restated first, is a copy with a unique anchor (``Your task is to:`` occurs once in the
-    prompt), and it puts the goal's words nearest to every later copy of them. The last sentence separates the two
-    commands a closed tool receptacle allows: ``open fridge 1`` (what "It is closed." asks everywhere else) and ``cool
-    apple 1 with fridge 1`` (what the expert does; the engine cools through a closed door). ``ValueError`` for a goal
-    without its instruction (one read from a task id)."""
-    return _task_text(state, listing=False)
-
-
-def listing_sentence(classes: Sequence[str]) -> str:
-    """The thinking's copy of what an arrival or an opening lists: ``"Here: apple, cup."``, ``"Here: nothing."``."""
-    return f"Here: {', '.join(classes) if classes else 'nothing'}."
-
-
-def listing_said(text: str | None) -> str | None:
-    """The first :func:`listing_sentence` ``text`` says (``"Here: apple, cup."``), or None."""
-    found = re.search(r"\bHere: [a-z]+(?:, [a-z]+)*\.", text or "")
-    return found.group(0) if found else None
-
-
-def task_list_plan_here_text(state: TaskState) -> str:
-    """:func:`task_plan_here_text` with, after the restated instruction, the object classes the engine just listed
-    at an arrival or an opening (:func:`listing_sentence`; nothing in other states), ``--sft-thinking
-    task-list-plan-here``: ``"Your task is to: put a clean cup in cabinet. Here: apple, cup, knife. I need a cup. I see
-    cup 2 here. I am at countertop 1."``
-
-    Why. Trained on ``task-plan-here``, teachers did not read whether the goal class is among the objects listed
-    (2026-11, the tiny CPU teacher: said "I see <goal> N here." in 2 of 10 states where it is; with more take turns,
-    in every one of them but also in 17 % of those where it is not): the match ran from the thinking's goal word
-    to a list that sits among hundreds of prompt tokens, and a prior answered instead. Copying the list first (a
-    copy from the end of the prompt, the pattern the copy warm-up trains) puts the listed classes a few tokens
-    before "I need a cup.", so whether "I see" follows is a match between neighbouring words. Classes only, each
-    once, to keep the thinking short; the object's number is copied from the observation as before."""
-    return _task_text(state, listing=True)
-
-
-def _task_text(state: TaskState, *, listing: bool, tool_sentence: bool = True) -> str:
-    goal = state.goal
-    if not goal.instruction:
-        raise ValueError("task-plan-here thinking restates the instruction, and this goal has none "
-                         "(read it with jaxopd_envs.alfworld_state.parse_goal, not goal_of_task_id)")
-    text = goal.instruction
-    if listing and state.listed is not None:
-        text += " " + listing_sentence(state.listed)
-    text += f" {plan_here_text(state)}"
-    if (tool_sentence and state.held is not None and goal.tool is not None and not state.changed
-            and state.location is not None and state.location.split()[0] == goal.tool[1]):
-        text += f" I can {goal.tool[0]} it here."
-    return text
-
-
-def command_here(state: TaskState) -> str | None:
-    """The command the task calls for at the agent's location, read from ``state`` alone, or None where the next
-    step is elsewhere (a ``go to``) or an ``open``: ``take apple 4 from countertop 1`` (the goal object still needed
-    and one in view: ``state.in_view[0]``, which :func:`expert_pick_first` makes the one the expert takes), ``use
-    desklamp 1`` (a look task's object held and a lamp in view), ``cool apple 4 with fridge 1`` (the unchanged
-    object held at a receptacle of its tool's class), ``move apple 4 to garbagecan 1`` (the object held, changed
-    where the task asks it, at a receptacle of the goal's class). A closed receptacle takes no ``take`` nor
-    ``move`` (it is opened first); the engine changes through a closed tool's door (``task_plan_here_text``)."""
-    goal, location = state.goal, state.location
-    if location is None:
-        return None
-    here = location.split()[0]
-    if state.held is None:
-        if state.in_view and not state.location_closed:
-            return f"take {state.in_view[0]} from {location}"
-        return None
-    if goal.toggle is not None:
-        return f"use {state.lamps_in_view[0]}" if state.lamps_in_view else None
-    if goal.tool is not None and not state.changed:
-        verb, tool = goal.tool
-        return f"{verb} {state.held} with {location}" if here == tool else None
-    if here == goal.recep and not state.location_closed:
-        return f"move {state.held} to {location}"
-    return None
-
-
-def expert_pick_first(state: TaskState) -> TaskState:
-    """``state`` with the goal objects and lamps in view listed last first: the one the searching expert takes of
-    several of a class is the last the engine listed ("a pen 3, and a pen 1": ``take pen 1``; 229 of its 236 takes
-    on the generated training games, against 182 for the first listed), so a thinking that names ``in_view[0]``
-    names the object the demonstration acts on."""
-    return dataclasses.replace(state, in_view=state.in_view[::-1], lamps_in_view=state.lamps_in_view[::-1])
-
-
-def task_list_act_here_text(state: TaskState) -> str:
-    """:func:`task_list_plan_here_text` ending on the command to give here, when there is one (:func:`command_here`;
-    ``--sft-thinking task-list-act-here``): ``"Your task is to: put a clean cup in cabinet. Here: apple, cup, knife.
-    I need a cup. I see cup 2 here. I am at countertop 1. I can take cup 2 from countertop 1."``; ``"... I hold
-    apple 1. I must cool it with a fridge. I am at fridge 1. It is closed. I can cool apple 1 with fridge 1."``
-    (the tool sentence of ``task-plan-here`` gives way to the command).
-
-    Why. A ``task-list-plan-here`` teacher (tiny CPU model, 2026-11) said "I see cd 4 here." where the goal object
-    lay, then took another object of the admissible list (41 of 44 such rounds in play): the action's object had to
-    be found two sentences back, among the many ``take X N from R`` of the prompt. Ending the thinking on the
-    command itself makes the action a copy of the span just written, and the command in the thinking copies its
-    object from the sentence before it and its receptacle from the one just before (``I am at countertop 1.``). The
-    object named is the one the demonstration takes (:func:`expert_pick_first`): earlier variants named the first
-    listed of a class, and 54 of the expert's 236 takes on the training games took another one."""
-    state = expert_pick_first(state)
-    text = _task_text(state, listing=True, tool_sentence=False)
-    command = command_here(state)
-    return f"{text} I can {command}." if command else text
-
-
-def tool_sentence(goal) -> str | None:
-    """The sentence that names a change task's command verb and tool class
-    (``jaxopd_envs.alfworld_state.CHANGE_TOOLS``): ``"Tool: heat it with a microwave."``; None for a task that changes
-    nothing."""
-    if goal.tool is None:
-        return None
-    verb, tool = goal.tool
-    return f"Tool: {verb} it with a {tool}."
-
-
-def tool_said(text: str | None) -> re.Match | None:
-    """Where ``text`` says :func:`tool_sentence` (the first one): a match whose groups 1 and 2 are the verb and the
-    tool class, or None."""
-    return re.search(r"\bTool: ([a-z]+) it with a ([a-z]+)\.", text or "")
-
-
-def task_tool_act_here_text(state: TaskState) -> str:
-    """:func:`task_list_act_here_text` with :func:`tool_sentence` right after the restated instruction, in every
-    turn of a task that cleans, heats or cools (``--sft-thinking task-tool-act-here``): ``"Your task is to: put a
-    clean bowl in microwave. Tool: clean it with a sinkbasin. I need a bowl. I am at cabinet 3."``
-
-    Why. A ``task-list-act-here`` teacher (tiny CPU model, 2026-11) said the wrong verb or tool in 77 of its 102
-    play rounds that hold the object still to change ("put a clean bowl in microwave" → "I must heat it with a
-    microwave."; after a pickup at a tool receptacle, it named that receptacle in 23 of 32 episodes). The only
-    demonstrations of the instruction-to-tool map were those rounds, 194 of the 2,329 expert turns, and the tool
-    word was written after several receptacle names. Here the map is written in every turn of a change task (about
-    half of the corpus), three tokens after the instruction's adjective and before any receptacle of the room is
-    named; the later "I must clean it with a sinkbasin." and the change command copy the verb and tool from it."""
-    text = task_list_act_here_text(state)
-    sentence = tool_sentence(state.goal)
-    if sentence is None:
-        return text
-    instruction = state.goal.instruction
-    return f"{instruction} {sentence}{text[len(instruction):]}"
-
-
-def refused_sentence(command: str) -> str:
-    """The thinking's copy of the last command when the engine refused it: ``"Refused: go to drawer 4."``."""
-    return f"Refused: {command}."
-
-
-def task_tool_refused_act_here_text(state: TaskState) -> str:
-    """:func:`task_tool_act_here_text` with :func:`refused_sentence` after the restated instruction and the tool
-    sentence, in the turn after a command the engine refused (``--sft-thinking task-tool-refused-act-here``):
-    ``"Your task is to: examine the cd with the desklamp. Refused: go to drawer 4. I hold cd 1. I need a desklamp.
-    I am at drawer 3. It is closed."``; the same words as ``task-tool-act-here`` in every other turn.
-
-    Why. A 44 % teacher (tiny CPU model, 2026-11) lost 20 of its 36 episodes, and 207 of their 600 moves were
-    refused, 96 of them the very command refused the turn before (``go to drawer 4`` ten times running). After a
-    refusal the state is what it was, so its thinking was word for word the thinking before, and so was its command.
-    Saying the refused command makes the turn after a refusal a context of its own, copied from the end of the
-    prompt, whose demonstrations (the refused and missing copies, ``refused_turn`` / ``missing_turn``) never give
-    that command again."""
-    text = task_tool_act_here_text(state)
-    if state.refused is None:
-        return text
-    sentence = tool_sentence(state.goal)
-    head = state.goal.instruction + (f" {sentence}" if sentence else "")
-    return f"{head} {refused_sentence(state.refused)}{text[len(head):]}"
-
-
-THINKING_RULES = {"state": state_text, "plan": plan_text, "plan-here": plan_here_text,
-                  "task-plan-here": task_plan_here_text, "task-list-plan-here": task_list_plan_here_text,
-                  "task-list-act-here": task_list_act_here_text, "task-tool-act-here": task_tool_act_here_text,
-                  "task-tool-refused-act-here": task_tool_refused_act_here_text}
-"""The words of each ``SFT_THINKING`` value but ``none`` for a ``TaskState``: the one table SFT writes from and
-``jaxopd.methods.transcripts`` compares an agent's thinking with."""
+THINKING_RULES = {"plan": plan_text}
+"""The words of each ``SFT_THINKING`` value but ``none`` for a ``TaskState``."""
 
 
 def thinking_text(inputs: PromptInputs, thinking: str) -> str:
@@ -460,85 +196,6 @@ def walkthrough_turns(reference: ReferenceTrajectory, *, benchmark: str | None =
     return turns
 
 
-def is_take_turn(turn: WalkthroughTurn) -> bool:
-    """The demonstrated action takes an object: the goal object is in view (the thinking says "I see X here")."""
-    return turn.action.startswith("take ")
-
-
-def is_arrival_turn(turn: WalkthroughTurn) -> bool:
-    """The previous action went to or opened a receptacle: the observation has just listed what lies there, and the
-    answer decides whether the goal object is among it ("I see X here." and ``take``, or on to the next place)."""
-    return bool(turn.inputs.history) and turn.inputs.history[-1][1].startswith(("go to ", "open "))
-
-
-def is_change_turn(turn: WalkthroughTurn) -> bool:
-    """The agent holds the goal object and the task still asks to clean, heat or cool it: the turns whose answer
-    must turn the instruction's word into the tool's verb and class (``go to fridge 1``, ``cool apple 1 with fridge
-    1``), which a tiny CPU teacher confused in play ("put a clean bowl in microwave": "I must heat it with a
-    microwave.")."""
-    if turn.inputs.benchmark != "alfworld":
-        return False
-    state = _state_of(turn.inputs, "change-turn")
-    return state.held is not None and state.goal.tool is not None and not state.changed
-
-
-FOCUS_TURNS = {"take": is_take_turn, "arrival": is_arrival_turn, "change": is_change_turn}
-
-
-def refused_turn(turn: WalkthroughTurn) -> WalkthroughTurn | None:
-    """``turn`` after one more command the engine refused: a ``go to`` the receptacle the agent stands at,
-    answered "Nothing happens." (what free-running teachers did most: the tiny CPU teachers of 2026-11 refused
-    58 % of their moves, and repeated the refused one in 60 % of the turns after). The history gains the pair
-    (o_t, ``go to <here>``), the observation is the refusal, and the demonstrated action stays a_t: a refusal
-    changes nothing, so the step the state calls for is the same. None before the first arrival (no "here"), and
-    where the state read from the new inputs calls for another command at the location (:func:`command_here`): a
-    ``take`` or ``use`` needs the object listed in the current observation, which the refusal replaces."""
-    return _after_refused_go_to(turn, lambda inputs, here: here)
-
-
-def missing_receptacle(inputs: PromptInputs, location: str) -> str:
-    """The receptacle one past the last of ``location``'s class that the room has (``drawer 3`` in a room with
-    drawers 1 and 2): the room's receptacles are the targets of the admissible ``go to`` commands, and the agent's
-    own location."""
-    recep_class = location.split()[0]
-    numbers = [int(name.rsplit(" ", 1)[1]) for name in
-               [location] + [a[len("go to "):] for a in inputs.admissible_actions if a.startswith("go to ")]
-               if name.split()[0] == recep_class and name.rsplit(" ", 1)[1].isdigit()]
-    return f"{recep_class} {max(numbers) + 1}"
-
-
-def missing_turn(turn: WalkthroughTurn) -> WalkthroughTurn | None:
-    """``turn`` after a ``go to`` a receptacle the room does not have, refused ("Nothing happens."): one past the
-    last of the class the agent stands at (:func:`missing_receptacle`). A tiny CPU teacher (2026-11) counted on past
-    the room's receptacles (``go to drawer 3`` with two drawers, ``go to garbagecan 2`` with one) and repeated the
-    refused command for many turns (one episode: 22 of its 30). As :func:`refused_turn`, the demonstrated action
-    stays a_t, and None before the first arrival and where the refusal hides what the next command needs."""
-    return _after_refused_go_to(turn, missing_receptacle)
-
-
-def _after_refused_go_to(turn: WalkthroughTurn, target: Callable[[PromptInputs, str], str]
-                         ) -> WalkthroughTurn | None:
-    """``turn`` after a ``go to target(inputs, location)`` answered by the refusal (None: see :func:`refused_turn`)."""
-    inputs = turn.inputs
-    if inputs.benchmark != "alfworld":
-        return None
-    before = _state_of(inputs, "refused-turn")
-    if before.location is None:
-        return None
-    command = f"go to {target(inputs, before.location)}"
-    refused = dataclasses.replace(inputs, history=(*inputs.history, (inputs.observation, command)),
-                                  observation=REFUSED_FEEDBACK)
-    if command_here(expert_pick_first(_state_of(refused, "refused-turn"))) != command_here(expert_pick_first(before)):
-        return None
-    return dataclasses.replace(turn, inputs=refused)
-
-
-REWRITTEN_TURNS = {"refused": refused_turn, "missing": missing_turn}
-"""The turn rewrites SFT can add copies of (``RunConfig.sft_refused_copies`` / ``sft_missing_copies``)."""
-"""The turn selections SFT can oversample (``RunConfig.sft_take_copies`` / ``sft_arrival_copies`` /
-``sft_change_copies``)."""
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Samples
 # ----------------------------------------------------------------------------------------------------------
@@ -595,57 +252,27 @@ def _reference_list(references: Mapping[str, ReferenceTrajectory] | Iterable[Ref
     return list(references)
 
 
-def action_token_start(tokenizer, answer: str, response_ids: Sequence[int]) -> int:
-    """The index in ``response_ids`` (the ids of ``answer``, a :func:`response_text`, maybe followed by the
-    end-of-turn token) of the first token of the action tag: the ids of the text before ``<action>`` are a prefix of
-    ``response_ids`` (the tag follows the blank line after ``</think>``, a pre-tokenisation boundary).
-    ``ValueError`` when ``answer`` has no action tag or its tokenisation does not split there."""
-    at = answer.find(ACTION_START)
-    if at < 0:
-        raise ValueError(f"answer has no {ACTION_START} tag: {answer[:80]!r}")
-    head = list(tokenizer.encode(answer[:at]))
-    if list(response_ids[:len(head)]) != head:
-        raise ValueError(f"the tokenisation of {answer[:80]!r}... does not split at its {ACTION_START} tag")
-    return len(head)
-
-
 def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable[ReferenceTrajectory], tokenizer,
                         *, max_prompt_tokens: int, benchmark: str = "alfworld", thinking: str = "none",
-                        keep: Callable[[WalkthroughTurn], bool] | None = None,
-                        rewrite: Callable[[WalkthroughTurn], WalkthroughTurn | None] | None = None,
-                        action_weight: float = 1.0, action_format: str = "tight", mode: str = SFT_MODE
-                        ) -> tuple[list[Sample], WalkthroughStats]:
+                        mode: str = SFT_MODE) -> tuple[list[Sample], WalkthroughStats]:
     """Every walkthrough turn of ``references`` as an SFT sample, and the counts.
 
     A sample's ids are the full-mode prompt, rendered by ``render_prompt`` under ``max_prompt_tokens`` exactly
-    as a rollout renders it (oldest history pairs dropped first), followed by the ids of
-    :func:`response_text` of the turn's action (thinking: ``SFT_THINKING``; ``state``, ``plan`` and ``plan-here``
-    write the turn's :func:`thinking_text` into the thinking block) and the
-    tokenizer's end-of-turn token (``eos_token_id``).
-    ``loss_mask`` is True exactly on those response ids; ``behavior_logp`` is zeros and ``policy_version`` 0.
-    A turn whose prompt does not fit even without history is skipped and counted in ``stats.skipped``.
-
-    ``references``: a sequence of ``ReferenceTrajectory`` or a mapping of them (``load_references``); samples
-    come in that order, turns in order within a reference. ``keep``: only the turns it accepts (``FOCUS_TURNS``);
-    the others are not counted. ``rewrite``: each kept turn replaced by what it returns (:func:`refused_turn`), the
-    turns it returns None for left out and not counted. ``action_weight`` w != 1: each sample's ``loss_weight`` is w on
-    the action tag and the end-of-turn token (:func:`action_token_start` on), 1 on the thinking block
-    (``RunConfig.sft_action_weight``). ``action_format``: how the action tag is written (:func:`response_text`,
-    ``RunConfig.sft_action_format``).
+    as a rollout renders it (oldest history pairs dropped first), followed by the ids of :func:`response_text` of
+    the turn's action (its thinking: :func:`thinking_text` under ``thinking``) and the tokenizer's end-of-turn token
+    (``eos_token_id``). ``loss_mask`` is True exactly on those response ids; ``behavior_logp`` is zeros and
+    ``policy_version`` 0. A turn whose prompt does not fit even without history is skipped and counted in
+    ``stats.skipped``. ``references``: a sequence of ``ReferenceTrajectory`` or a mapping of them; samples come in
+    that order, turns in order within a reference.
 
     ``mode`` (``FAST_MODES``): the turns as ActFirst-OPD's fast action requests instead, prompts of that mode
     (Qwen3's template closes them with its empty think block) answered by the action tag alone,
     ``<action>{action}</action>``, and the end-of-turn token; ``inverse_dynamics`` prompts also show the reference's
     next observation o_{t+1}, here the demonstration's own (``ReferenceTrajectory.next_observation``). ``thinking``
-    and ``action_format`` do not apply to them (``RunConfig.sft_fast_copies``).
+    does not apply to them.
     """
     if mode != SFT_MODE and mode not in FAST_MODES:
         raise ValueError(f"unknown SFT sample mode {mode!r}; expected {SFT_MODE!r} or one of {FAST_MODES}")
-    if action_format not in ACTION_FORMATS:
-        raise ValueError(f"unknown action format {action_format!r}; expected one of {ACTION_FORMATS}")
-    if not (isinstance(action_weight, (int, float)) and not isinstance(action_weight, bool)
-            and np.isfinite(action_weight) and action_weight > 0):
-        raise ValueError(f"action_weight must be a finite number > 0, got {action_weight!r}")
     if thinking not in SFT_THINKING:
         raise ValueError(f"unknown SFT thinking {thinking!r}; expected one of {SFT_THINKING}")
     stats = WalkthroughStats()
@@ -654,12 +281,6 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
     for reference in _reference_list(references):
         stats.references += 1
         for turn in walkthrough_turns(reference, benchmark=benchmark):
-            if keep is not None and not keep(turn):
-                continue
-            if rewrite is not None:
-                turn = rewrite(turn)
-                if turn is None:
-                    continue
             stats.turns += 1
             inputs = turn.inputs
             if mode == "inverse_dynamics":
@@ -674,7 +295,7 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
                 stats.skipped += 1
                 continue
             if mode == SFT_MODE:
-                answer = response_text(turn.action, thinking_text(turn.inputs, thinking), action_format)
+                answer = response_text(turn.action, thinking_text(turn.inputs, thinking))
             else:
                 answer = fast_action_text(turn.action)
             response = list(tokenizer.encode(answer)) + [end_of_turn]
@@ -682,13 +303,8 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
             length = len(prompt_ids) + len(response)
             loss_mask = np.zeros(length, bool)
             loss_mask[len(prompt_ids):] = True
-            loss_weight = None
-            if action_weight != 1.0:
-                loss_weight = loss_mask.astype(np.float32)
-                loss_weight[len(prompt_ids) + action_token_start(tokenizer, answer, response):] = action_weight
             samples.append(Sample(tokens=np.asarray(prompt_ids + response, np.int32), loss_mask=loss_mask,
-                                  behavior_logp=np.zeros(length, np.float32), policy_version=0,
-                                  loss_weight=loss_weight))
+                                  behavior_logp=np.zeros(length, np.float32), policy_version=0))
             stats.samples += 1
             stats.history_truncated += prompt.history_pairs_kept < len(turn.inputs.history)
             stats.prompt_tokens += len(prompt_ids)
@@ -696,6 +312,45 @@ def walkthrough_samples(references: Mapping[str, ReferenceTrajectory] | Iterable
             stats.max_prompt_tokens = max(stats.max_prompt_tokens, len(prompt_ids))
             stats.max_response_tokens = max(stats.max_response_tokens, len(response))
     return samples, stats
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A run's corpus
+# ----------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SFTCorpus:
+    """The SFT samples of a run config, with the games they come from and the games left out (task id -> why)."""
+
+    samples: list[Sample]
+    stats: WalkthroughStats
+    tasks: list[Task]
+    references: Mapping[str, ReferenceTrajectory]
+    failures: dict[str, str]
+
+
+def sft_corpus(config: Any, source: BenchmarkSource, tokenizer: Any, *, progress: bool = True) -> SFTCorpus:
+    """The demonstration turns of ``config`` (an ``SFTConfig``): its seeded subset of the benchmark's training games
+    (``train_tasks``), demonstrated by ``sft_demonstrations`` (the searching expert within ``max_turns``), answered
+    think-then-act with ``sft_thinking`` under ``max_prompt_tokens``; then ``sft_fast_copies`` copies of every turn
+    in each of ActFirst-OPD's action-only modes (``FAST_MODES``). ``ValueError`` when no demonstration succeeded."""
+    tasks = subset(source.tasks(TRAIN_SPLIT[config.benchmark]), config.train_tasks, seed=config.seed)
+    kind = SFT_DEMONSTRATIONS[config.sft_demonstrations]
+    failures: dict[str, str] = {}
+    references = references_for(source, tasks, workers=min(4, os.cpu_count() or 1), progress=progress, kind=kind,
+                                expert_max_turns=config.max_turns if kind == "searching_expert" else None,
+                                failures=failures)
+    if not references:
+        raise ValueError(f"no {config.sft_demonstrations} demonstration of the {len(tasks)} training games "
+                         f"succeeded (first reason: {next(iter(failures.values()), '?')})")
+    samples, stats = walkthrough_samples(references, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
+                                         benchmark=config.benchmark, thinking=config.sft_thinking)
+    for _ in range(config.sft_fast_copies):
+        for mode in FAST_MODES:
+            more, more_stats = walkthrough_samples(references, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
+                                                   benchmark=config.benchmark, mode=mode)
+            samples += more
+            stats = stats.merged(more_stats)
+    return SFTCorpus(samples, stats, list(tasks), references, failures)
 
 
 # ----------------------------------------------------------------------------------------------------------

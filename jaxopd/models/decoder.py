@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxopd.tokenizer import TOKEN_MAP_KEY
 from jaxopd_kernels.dense import grouped_attention
 
 Array = jax.Array
@@ -57,9 +56,6 @@ class ModelConfig:
     max_position_embeddings: int = 40_960
     dtype: str = "float32"          # activations
     param_dtype: str = "float32"    # parameters as stored on device
-    # A model over a sub-vocabulary of Qwen3's ids: the Qwen3 id of each of its ``vocab_size`` ids
-    # (``jaxopd.tokenizer.SubVocabularyTokenizer``, ``weights.restrict_vocabulary``); None: Qwen3's own ids.
-    token_map: tuple[int, ...] | None = dataclasses.field(default=None, repr=False)
     model_type: str = "qwen3"
     qk_norm: bool = True
     bos_token_id: int | None = None     # None: the family's default (Qwen3's ids for qwen3)
@@ -79,15 +75,12 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads}) for grouped-query attention")
-        if self.token_map is not None and len(self.token_map) != self.vocab_size:
-            raise ValueError(f"ModelConfig.token_map lists {len(self.token_map)} ids for a vocabulary of "
-                             f"{self.vocab_size}")
 
     @property
     def end_token_ids(self) -> tuple[int, ...]:
         """The ids that end a generated turn: the config's ``eos_token_id``, and for Qwen3 ``<|im_end|>`` and
-        ``<|endoftext|>`` (Qwen3's own ids, also for a model over a sub-vocabulary: the engine maps them)."""
-        if self.model_type == "qwen3" and (self.eos_token_id is None or self.token_map is not None):
+        ``<|endoftext|>``."""
+        if self.model_type == "qwen3" and self.eos_token_id is None:
             return (_QWEN3_BOS_EOS[1], _QWEN3_BOS_EOS[0])
         if self.model_type == "qwen3":
             return tuple(dict.fromkeys((self.eos_token_id, _QWEN3_BOS_EOS[1], _QWEN3_BOS_EOS[0])))
@@ -158,7 +151,6 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 40_960)),
             dtype=dtype,
             param_dtype=dtype,
-            token_map=None if hf.get(TOKEN_MAP_KEY) is None else tuple(int(i) for i in hf[TOKEN_MAP_KEY]),
             model_type=model_type,
             qk_norm=model_type == "qwen3",
             bos_token_id=None if bos is None else int(bos),
@@ -173,12 +165,6 @@ class ModelConfig:
             bos = _QWEN3_BOS_EOS[0] if bos is None else bos
             eos = _QWEN3_BOS_EOS[1] if eos is None else eos
         extra: dict[str, Any] = {}
-        if self.token_map is not None:
-            if self.bos_token_id is None and bos is not None:
-                bos = self.token_map.index(bos)
-            if self.eos_token_id is None and eos is not None:
-                eos = self.token_map.index(eos)
-            extra[TOKEN_MAP_KEY] = list(self.token_map)
         if self.model_type == "llama":
             extra.update({"mlp_bias": False, "pretraining_tp": 1, "rope_scaling": None})
         return {

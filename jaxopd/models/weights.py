@@ -3,8 +3,8 @@
 Owns reading a local HF folder (``config.json`` + single or sharded ``*.safetensors``) into a ``CausalLM``
 (``load_model``),
 optionally straight into given shardings (each device reads only its slice from the memory-mapped file),
-writing a model back to a folder that ``transformers`` loads, and ``restrict_vocabulary`` (a model cut down to a
-sub-vocabulary of its ids). Never downloads anything.
+writing a model back to a folder that ``transformers`` loads, and ``cut_layers`` (a smaller model cut from a model's
+decoder layers). Never downloads anything.
 """
 from __future__ import annotations
 
@@ -325,37 +325,6 @@ def save_model(model: CausalLM, folder: str | os.PathLike, *, max_shard_bytes: i
     return folder
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Sub-vocabulary
-# ----------------------------------------------------------------------------------------------------------
-def restrict_vocabulary(model: CausalLM, token_map: Sequence[int]) -> CausalLM:
-    """``model`` over Qwen3's ids cut down to the ids ``token_map`` (``jaxopd.tokenizer.sub_vocabulary``): its
-    embedding keeps those rows in that order (an untied head those columns), the body is shared, and the config
-    records the map (``ModelConfig.token_map``; saved with the model, read back by ``load_tokenizer``). The new
-    model's logits are the old one's at those ids, so its softmax is the old softmax renormalised over them."""
-    cfg = model.config
-    if cfg.token_map is not None:
-        raise ValueError(f"the model is already over a sub-vocabulary of {cfg.vocab_size} ids")
-    rows = np.asarray([int(i) for i in token_map], np.int64)
-    if rows.size == 0 or len(set(rows.tolist())) != rows.size:
-        raise ValueError("a token map lists each id once, and at least one")
-    if rows.min() < 0 or rows.max() >= cfg.vocab_size:
-        raise ValueError(f"token map ids must lie in [0, {cfg.vocab_size}), got [{rows.min()}, {rows.max()}]")
-    new_cfg = dataclasses.replace(cfg, vocab_size=int(rows.size), token_map=tuple(int(i) for i in rows))
-    graphdef, params = nnx.split(abstract_model(new_cfg), nnx.Param)
-    old = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    flat = dict(nnx.to_flat_state(params))
-    index = jnp.asarray(rows)
-    for path, variable in flat.items():
-        value = old[path][...]
-        if path == ("embedding_vd",):
-            value = jnp.take(value, index, axis=0)
-        elif path == ("lm_head_dv",):
-            value = jnp.take(value, index, axis=1)
-        variable.set_value(value)
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
 def cut_layers(model: CausalLM, keep: Sequence[int]) -> CausalLM:
     """A smaller model cut from ``model``: its decoder layers ``keep`` (indices, increasing, each once), in that
     order, with the embedding, final norm and head unchanged (a student made from its teacher's pretrained weights).
@@ -409,4 +378,4 @@ save_qwen3 = save_model
 
 __all__ = ["CheckpointError", "KeyRule", "SafetensorsFile", "check_checkpoint_files", "cut_layers", "key_map",
            "load_model", "load_or_init", "model_record", "read_config",
-           "restrict_vocabulary", "save_model", "write_safetensors", "iter_hf_tensors"]
+           "save_model", "write_safetensors", "iter_hf_tensors"]

@@ -53,8 +53,6 @@ class EngineConfig:
     the scoring step on every prefill shape.
     ``eos_token_ids``: the ids that end every request; ``None`` (the default): the model's own end-of-turn ids
     (``ModelConfig.end_token_ids``: Qwen3's ``<|im_end|>`` and ``<|endoftext|>``, a Llama config's ``eos_token_id``).
-    For a model over a sub-vocabulary (``ModelConfig.token_map``) they are Qwen3's ids, and the engine takes the
-    ids they map to.
     ``overlap``: in the steady state (the same rows decode at steps k and k+1, nothing to admit, prefill or
     apply) decode step k+1 is dispatched, fed step k's tokens on the device, before the host processes step
     k; a stop found at step k then drops that row's token of step k+1 (never returned). Outputs are those of
@@ -150,11 +148,6 @@ class Engine(EngineBase):
         config.validate()
         if config.eos_token_ids is None:
             config = dataclasses.replace(config, eos_token_ids=model.config.end_token_ids)
-        token_map = model.config.token_map
-        if token_map is not None:     # eos_token_ids are Qwen3's ids; a sub-vocabulary model numbers them its way
-            local = {qwen_id: i for i, qwen_id in enumerate(token_map)}
-            config = dataclasses.replace(config, eos_token_ids=tuple(local[t] for t in config.eos_token_ids
-                                                                     if t in local))
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = model.config.vocab_size

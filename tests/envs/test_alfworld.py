@@ -403,7 +403,7 @@ def test_cli_counts_training_makes_the_tree_of_generated_train_games(monkeypatch
     own split sizes (those of the main job's games)."""
     from jaxopd_experiments.train import training_counts
     from jaxopd.methods.benchmarks import GeneratedCounts
-    from jaxopd.methods.config import RunConfig
+    from jaxopd.methods.config import SFTConfig
 
     asked = []
 
@@ -415,7 +415,7 @@ def test_cli_counts_training_makes_the_tree_of_generated_train_games(monkeypatch
     assert gen.main(["--counts", "training", "--num", "720"]) == 0
     assert gen.main([]) == 0
     assert gen.main(["--counts", "training", "--num-valid-unseen", "5"]) == 0
-    trained = training_counts(RunConfig(method="sft", generated_train_games=720)).as_counts()
+    trained = training_counts(SFTConfig(generated_train_games=720)).as_counts()
     assert asked[0] == trained == {"train": 720, "valid_seen": 24, "valid_unseen": 48}
     assert asked[1] == gen.DEFAULT_COUNTS == {"train": 600, "valid_seen": 140, "valid_unseen": 134}
     assert asked[2] == {"train": 240, "valid_seen": 24, "valid_unseen": 5}

@@ -20,8 +20,8 @@ from jaxopd.rollout.actions import extract_action
 from jaxopd.rollout.prompts import prompt_messages, render_prompt
 from jaxopd.tokenizer import IM_END, Qwen3Tokenizer, render_qwen3_chat
 from jaxopd.train.buffer import Sample, collate_samples
-from jaxopd.train.step import (LOSS_KINDS, LossConfig, batch_loss, batch_shardings, init_train_state,
-                               loss_from_log_probs, make_train_step, place_batch, train_state_shardings)
+from jaxopd.train.state import batch_shardings, init_train_state, place_batch, train_state_shardings
+from jaxopd.train.step import LOSS_KINDS, LossConfig, batch_loss, loss_from_log_probs, make_train_step
 
 # ----------------------------------------------------------------------------------------------------------
 # The loss
@@ -244,6 +244,11 @@ def test_sft_loss_context_term_hand_computed():
         losses.sft_loss(LOGP, MASK, context_logp=context_logp, context_mask=context_mask, context_weight=-1.0)
 
 
+def corpus_ids(samples) -> tuple[int, ...]:
+    """Every token id of ``samples``, sorted (the restricted softmax of the context term)."""
+    return tuple(sorted({int(t) for sample in samples for t in sample.tokens}))
+
+
 def test_context_lm_config_is_checked():
     assert LossConfig(kind="sft", context_lm_weight=1.0, context_vocab=(1, 5, 9)).context_lm_weight == 1.0
     with pytest.raises(ValueError, match="sft loss only"):
@@ -275,8 +280,7 @@ def _restricted_reference(micro, vocab):
 
 @pytest.mark.parametrize("max_supervised_tokens", [None, 8])
 def test_batch_loss_with_context_term_matches_numpy_from_logits(micro, max_supervised_tokens):
-    from jaxopd.methods.sft import corpus_vocabulary
-    vocab = corpus_vocabulary(micro["samples"])
+    vocab = corpus_ids(micro["samples"])
     assert list(vocab) == sorted(set(np.concatenate([s.tokens for s in micro["samples"]]).tolist()))
     # leave one id of a prompt out: its positions do not count
     dropped = int(micro["samples"][0].tokens[2])
@@ -299,8 +303,7 @@ def test_batch_loss_with_context_term_matches_numpy_from_logits(micro, max_super
 @pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 def test_context_term_trains_the_prompt_tokens_too(micro):
     """Steps with the context term lower the prompt's restricted NLL; steps without it leave its gradient out."""
-    from jaxopd.methods.sft import corpus_vocabulary
-    vocab = corpus_vocabulary(micro["samples"])
+    vocab = corpus_ids(micro["samples"])
     with_context = LossConfig(kind="sft", context_lm_weight=1.0, context_vocab=vocab)
     context_nll = [m["context_nll"] for m in train_steps(micro, with_context)]
     assert context_nll[-1] < context_nll[0] - 0.1, context_nll
@@ -552,31 +555,8 @@ def _inputs(instruction, steps, observation):
                         observation=observation if not steps else observations[-1], admissible_actions=("look",))
 
 
-def test_state_thinking_by_hand():
-    pytest.importorskip("alfworld")
-    from jaxopd.methods.sft_data import state_thinking
-    cool = "Your task is to: cool some mug and put it in cabinet."
-    assert state_thinking(_inputs(cool, [], "You are in the middle of a room.")) == "I need a mug."
-    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2, a mug 1.")]
-    assert state_thinking(_inputs(cool, seen, "")) == "I need a mug. I see mug 2 here."
-    held = seen + [("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1.")]
-    assert state_thinking(_inputs(cool, held, "")) == "I hold mug 2."
-    cooled = held + [("cool mug 2 with fridge 1", "You cool the mug 2 using the fridge 1.")]
-    assert state_thinking(_inputs(cool, cooled, "")) == "I hold mug 2, now cool."
-    two = "Your task is to: put two vase in shelf."
-    placed = [("take vase 1 from sidetable 1", "You pick up the vase 1 from the sidetable 1."),
-              ("move vase 1 to shelf 1", "You move the vase 1 to the shelf 1.")]
-    assert state_thinking(_inputs(two, placed, "")) == "1 of 2 placed. I need a vase."
-    look = "Your task is to: look at cd under the desklamp."
-    lamp = [("take cd 1 from desk 1", "You pick up the cd 1 from the desk 1."),
-            ("go to sidetable 1", "You arrive at sidetable 1. On the sidetable 1, you see a desklamp 1.")]
-    assert state_thinking(_inputs(look, lamp, "")) == "I hold cd 1. I see desklamp 1 here."
-    with pytest.raises(ValueError, match="no ALFWorld task type"):
-        state_thinking(_inputs("Your task is to: dance.", [], "x"))
-
-
 def test_plan_thinking_by_hand():
-    """Plan thinking: the state of ``state_thinking`` and the step it calls for (the tool, then the destination)."""
+    """Plan thinking: the task's state and the step it calls for (the tool, then the destination)."""
     pytest.importorskip("alfworld")
     from jaxopd.methods.sft_data import thinking_text
 
@@ -611,7 +591,6 @@ def test_plan_thinking_by_hand():
     lamp = cd + [("go to sidetable 1", "You arrive at sidetable 1. On the sidetable 1, you see a desklamp 1.")]
     assert plan_thinking(_inputs(look, lamp, "")) == "I hold cd 1. I need a desklamp. I see desklamp 1 here."
     assert thinking_text(_inputs(cool, held, ""), "plan") == "I hold mug 2. I must cool it with a fridge."
-    assert thinking_text(_inputs(cool, held, ""), "state") == "I hold mug 2."
     assert thinking_text(_inputs(cool, held, ""), "none") == ""
     with pytest.raises(ValueError, match="unknown SFT thinking"):
         thinking_text(_inputs(cool, held, ""), "chain")
@@ -619,296 +598,18 @@ def test_plan_thinking_by_hand():
         plan_thinking(_inputs("Your task is to: dance.", [], "x"))
 
 
-def test_plan_here_thinking_by_hand():
-    """Plan-here thinking: the plan, then the receptacle last arrived at and whether it is closed."""
-    pytest.importorskip("alfworld")
+def test_walkthrough_samples_with_plan_thinking(alfworld, tok):
     from jaxopd.methods.sft_data import thinking_text
-
-    def plan_here_thinking(inputs):
-        return thinking_text(inputs, "plan-here")
-    cool = "Your task is to: cool some mug and put it in cabinet."
-    assert plan_here_thinking(_inputs(cool, [], "You are in the middle of a room.")) == "I need a mug."
-    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2, a mug 1.")]
-    assert plan_here_thinking(_inputs(cool, seen, "")) == "I need a mug. I see mug 2 here. I am at countertop 1."
-    held = seen + [("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1.")]
-    assert plan_here_thinking(_inputs(cool, held, "")) == ("I hold mug 2. I must cool it with a fridge. "
-                                                          "I am at countertop 1.")
-    fridge = held + [("go to fridge 1", "You arrive at fridge 1. The fridge 1 is closed.")]
-    assert plan_here_thinking(_inputs(cool, fridge, "")) == ("I hold mug 2. I must cool it with a fridge. "
-                                                            "I am at fridge 1. It is closed.")
-    cooled = fridge + [("cool mug 2 with fridge 1", "You cool the mug 2 using the fridge 1."),
-                       ("go to cabinet 1", "You arrive at cabinet 1. The cabinet 1 is closed."),
-                       ("open cabinet 1", "You open the cabinet 1. The cabinet 1 is open. In it, you see nothing.")]
-    assert thinking_text(_inputs(cool, cooled, ""), "plan-here") == ("I hold mug 2, now cool. It goes in cabinet. "
-                                                                     "I am at cabinet 1.")
-    assert thinking_text(_inputs(cool, cooled, ""), "plan") == "I hold mug 2, now cool. It goes in cabinet."
-
-
-def test_task_plan_here_thinking_by_hand():
-    """Task-plan-here thinking: the instruction word for word, the plan-here words, and the tool's command only where
-    the agent holds the unchanged object at the tool."""
-    pytest.importorskip("alfworld")
-    from jaxopd_envs.alfworld_state import Goal, TaskState, goal_of_task_id
-    from jaxopd.methods.sft_data import task_plan_here_text, thinking_text
-
-    cool = "Your task is to: cool some mug and put it in cabinet."
-    start = _inputs(cool, [], "You are in the middle of a room.")
-    assert thinking_text(start, "task-plan-here") == cool + " I need a mug."
-    held = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2."),
-            ("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1.")]
-    assert thinking_text(_inputs(cool, held, ""), "task-plan-here") == (
-        cool + " I hold mug 2. I must cool it with a fridge. I am at countertop 1.")
-    fridge = held + [("go to fridge 1", "You arrive at fridge 1. The fridge 1 is closed.")]
-    assert thinking_text(_inputs(cool, fridge, ""), "task-plan-here") == (
-        cool + " I hold mug 2. I must cool it with a fridge. I am at fridge 1. It is closed. I can cool it here.")
-    cooled = fridge + [("cool mug 2 with fridge 1", "You cool the mug 2 using the fridge 1.")]
-    assert thinking_text(_inputs(cool, cooled, ""), "task-plan-here") == (
-        cool + " I hold mug 2, now cool. It goes in cabinet. I am at fridge 1. It is closed.")
-    # a task that changes nothing never says a tool's command; the restated text keeps the prompt's spelling
-    put = "  Your task is to: put some mug on desk. "
-    at_desk = [("go to desk 1", "You arrive at desk 1. On the desk 1, you see a mug 1."),
-               ("take mug 1 from desk 1", "You pick up the mug 1 from the desk 1.")]
-    assert thinking_text(_inputs(put, at_desk, ""), "task-plan-here") == (
-        "Your task is to: put some mug on desk. I hold mug 1. It goes in desk. I am at desk 1.")
-    with pytest.raises(ValueError, match="restates the instruction"):
-        task_plan_here_text(TaskState(goal_of_task_id("a/pick_cool_then_place_in_recep-Mug-None-Cabinet-1/t"),
-                                      None, False, 0, ()))
-    assert Goal("pick_and_place_simple", "mug", "desk", instruction="x") == Goal("pick_and_place_simple", "mug", "desk")
-
-
-def test_task_list_plan_here_thinking_by_hand():
-    """Task-list-plan-here thinking: the task-plan-here words with the classes an arrival or an opening just listed
-    (in order, each once; "nothing" for an empty one) after the instruction, and nothing more in other states."""
-    pytest.importorskip("alfworld")
-    from jaxopd.methods.sft_data import thinking_text
-
-    cool = "Your task is to: cool some mug and put it in cabinet."
-    assert thinking_text(_inputs(cool, [], "You are in the middle of a room. Looking quickly around you, you see a "
-                                           "cabinet 1, a fridge 1."), "task-list-plan-here") == cool + " I need a mug."
-    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a apple 3, a mug 2, "
-                                   "a apple 1, and a knife 1.")]
-    assert thinking_text(_inputs(cool, seen, ""), "task-list-plan-here") == (
-        cool + " Here: apple, mug, knife. I need a mug. I see mug 2 here. I am at countertop 1.")
-    other = [("go to countertop 2", "You arrive at countertop 2. On the countertop 2, you see a apple 2.")]
-    assert thinking_text(_inputs(cool, other, ""), "task-list-plan-here") == (
-        cool + " Here: apple. I need a mug. I am at countertop 2.")
-    closed = [("go to cabinet 2", "You arrive at cabinet 2. The cabinet 2 is closed.")]
-    assert thinking_text(_inputs(cool, closed, ""), "task-list-plan-here") == (
-        cool + " I need a mug. I am at cabinet 2. It is closed.")
-    opened = closed + [("open cabinet 2", "You open the cabinet 2. The cabinet 2 is open. In it, you see nothing.")]
-    assert thinking_text(_inputs(cool, opened, ""), "task-list-plan-here") == (
-        cool + " Here: nothing. I need a mug. I am at cabinet 2.")
-    held = seen + [("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1.")]
-    assert thinking_text(_inputs(cool, held, ""), "task-list-plan-here") == (
-        cool + " I hold mug 2. I must cool it with a fridge. I am at countertop 1.")
-
-
-def test_task_list_act_here_thinking_by_hand():
-    """Task-list-act-here thinking: the task-list-plan-here words, the last listed goal object named (the one the
-    searching expert takes), and the command to give here as the last sentence: take, cool (through a closed door),
-    move, use; none for a go, an open, or a closed receptacle."""
-    pytest.importorskip("alfworld")
-    from jaxopd.methods.sft_data import thinking_text
-
-    cool = "Your task is to: cool some mug and put it in cabinet."
-    act = "task-list-act-here"
-    assert thinking_text(_inputs(cool, [], "You are in the middle of a room."), act) == cool + " I need a mug."
-    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 3, a apple 1, "
-                                   "and a mug 2.")]
-    assert thinking_text(_inputs(cool, seen, ""), act) == (
-        cool + " Here: mug, apple. I need a mug. I see mug 2 here. I am at countertop 1. "
-               "I can take mug 2 from countertop 1.")
-    closed = [("go to cabinet 2", "You arrive at cabinet 2. The cabinet 2 is closed.")]
-    assert thinking_text(_inputs(cool, closed, ""), act) == cool + " I need a mug. I am at cabinet 2. It is closed."
-    held = seen + [("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1.")]
-    assert thinking_text(_inputs(cool, held, ""), act) == (
-        cool + " I hold mug 2. I must cool it with a fridge. I am at countertop 1.")
-    fridge = held + [("go to fridge 1", "You arrive at fridge 1. The fridge 1 is closed.")]
-    assert thinking_text(_inputs(cool, fridge, ""), act) == (
-        cool + " I hold mug 2. I must cool it with a fridge. I am at fridge 1. It is closed. "
-               "I can cool mug 2 with fridge 1.")
-    cooled = fridge + [("cool mug 2 with fridge 1", "You cool the mug 2 using the fridge 1.")]
-    assert thinking_text(_inputs(cool, cooled, ""), act) == (
-        cool + " I hold mug 2, now cool. It goes in cabinet. I am at fridge 1. It is closed.")
-    cabinet = cooled + [("go to cabinet 1", "You arrive at cabinet 1. The cabinet 1 is closed.")]
-    assert thinking_text(_inputs(cool, cabinet, ""), act).endswith("I am at cabinet 1. It is closed.")
-    opened = cabinet + [("open cabinet 1", "You open the cabinet 1. The cabinet 1 is open. In it, you see nothing.")]
-    assert thinking_text(_inputs(cool, opened, ""), act) == (
-        cool + " Here: nothing. I hold mug 2, now cool. It goes in cabinet. I am at cabinet 1. "
-               "I can move mug 2 to cabinet 1.")
-    look = "Your task is to: examine the cd with the desklamp."
-    lamp = [("go to desk 1", "You arrive at desk 1. On the desk 1, you see a cd 1, and a desklamp 1."),
-            ("take cd 1 from desk 1", "You pick up the cd 1 from the desk 1."),
-            ("go to sidetable 1", "You arrive at sidetable 1. On the sidetable 1, you see a desklamp 2.")]
-    assert thinking_text(_inputs(look, lamp, ""), act) == (
-        look + " Here: desklamp. I hold cd 1. I need a desklamp. I see desklamp 2 here. I am at sidetable 1. "
-               "I can use desklamp 2.")
-
-
-def test_task_tool_act_here_thinking_by_hand():
-    """Task-tool-act-here thinking: the task-list-act-here words with the change task's verb and tool said right after
-    the instruction in every turn, before and after the change; nothing added for a task that changes nothing."""
-    pytest.importorskip("alfworld")
-    from jaxopd.methods.sft_data import change_said, thinking_text
-
-    tool = "task-tool-act-here"
-    clean = "Your task is to: put a clean bowl in microwave."
-    assert thinking_text(_inputs(clean, [], "You are in the middle of a room."), tool) == (
-        clean + " Tool: clean it with a sinkbasin. I need a bowl.")
-    seen = [("go to microwave 1", "You arrive at microwave 1. The microwave 1 is open. In it, you see a bowl 1.")]
-    held = seen + [("take bowl 1 from microwave 1", "You pick up the bowl 1 from the microwave 1.")]
-    thought = thinking_text(_inputs(clean, held, ""), tool)
-    assert thought == (clean + " Tool: clean it with a sinkbasin. I hold bowl 1. I must clean it with a sinkbasin. "
-                               "I am at microwave 1.")
-    assert change_said(thought) == ("clean", "sinkbasin")
-    sink = held + [("go to sinkbasin 1", "You arrive at sinkbasin 1. On the sinkbasin 1, you see nothing.")]
-    assert thinking_text(_inputs(clean, sink, ""), tool).endswith(
-        "I am at sinkbasin 1. I can clean bowl 1 with sinkbasin 1.")
-    cleaned = sink + [("clean bowl 1 with sinkbasin 1", "You clean the bowl 1 using the sinkbasin 1.")]
-    assert thinking_text(_inputs(clean, cleaned, ""), tool) == (
-        clean + " Tool: clean it with a sinkbasin. I hold bowl 1, now clean. It goes in microwave. "
-                "I am at sinkbasin 1.")
-    hot = "Your task is to: heat some egg and put it in fridge."
-    assert thinking_text(_inputs(hot, [], "You are in the middle of a room."), tool) == (
-        hot + " Tool: heat it with a microwave. I need a egg.")
-    pick = "Your task is to: put some cd on desk."
-    at = [("go to shelf 1", "You arrive at shelf 1. On the shelf 1, you see a cd 3, and a cd 1.")]
-    assert thinking_text(_inputs(pick, at, ""), tool) == thinking_text(_inputs(pick, at, ""), "task-list-act-here")
-
-
-def test_task_tool_refused_act_here_thinking_by_hand():
-    """Task-tool-refused-act-here thinking: after a refused command, "Refused: <command>." right after the
-    instruction (and the change task's tool sentence), the rest as task-tool-act-here; in every other turn exactly
-    the task-tool-act-here words. A missing-receptacle copy of a demonstration turn says the command it refused."""
-    pytest.importorskip("alfworld")
-    import dataclasses
-
-    from jaxopd_envs.alfworld_state import parse_goal, task_state
-    from jaxopd.methods.sft_data import WalkthroughTurn, missing_turn, thinking_text
-
-    rule, base = "task-tool-refused-act-here", "task-tool-act-here"
-    look = "Your task is to: examine the cd with the desklamp."
-    held = [("go to drawer 2", "You arrive at drawer 2. The drawer 2 is open. In it, you see a cd 1."),
-            ("take cd 1 from drawer 2", "You pick up the cd 1 from the drawer 2."),
-            ("go to drawer 3", "You arrive at drawer 3. The drawer 3 is closed.")]
-    assert thinking_text(_inputs(look, held, ""), rule) == thinking_text(_inputs(look, held, ""), base)
-    refused = held + [("go to drawer 4", "Nothing happens.")]
-    assert thinking_text(_inputs(look, refused, ""), rule) == (
-        look + " Refused: go to drawer 4. I hold cd 1. I need a desklamp. I am at drawer 3. It is closed.")
-    assert thinking_text(_inputs(look, refused, ""), base) == (
-        look + " I hold cd 1. I need a desklamp. I am at drawer 3. It is closed.")
-    # the refusal is the last answer only: a later command that the engine executes clears it
-    opened = refused + [("open drawer 3", "You open the drawer 3. The drawer 3 is open. In it, you see nothing.")]
-    assert "Refused" not in thinking_text(_inputs(look, opened, ""), rule)
-    assert task_state(parse_goal(look), [a for a, _ in refused], [o for _, o in refused],
-                      "Nothing happens.").refused == "go to drawer 4"
-    assert task_state(parse_goal(look), [a for a, _ in held], [o for _, o in held], held[-1][1]).refused is None
-    clean = "Your task is to: put a clean bowl in microwave."
-    nothing = [("go to cabinet 1", "You arrive at cabinet 1. The cabinet 1 is closed."),
-               ("take bowl 1 from cabinet 1", "Nothing happens.")]
-    assert thinking_text(_inputs(clean, nothing, ""), rule) == (
-        clean + " Tool: clean it with a sinkbasin. Refused: take bowl 1 from cabinet 1. I need a bowl. "
-                "I am at cabinet 1. It is closed.")
-    room = ("go to drawer 1", "go to drawer 2", "go to cabinet 4", "look")
-    at = [("go to drawer 2", "You arrive at drawer 2. The drawer 2 is closed.")]
-    turn = WalkthroughTurn("t", 2, dataclasses.replace(_inputs(clean, at, ""), admissible_actions=room),
-                           "open drawer 2")
-    assert thinking_text(missing_turn(turn).inputs, rule) == (
-        clean + " Tool: clean it with a sinkbasin. Refused: go to drawer 3. I need a bowl. I am at drawer 2. "
-                "It is closed.")
-
-
-def test_refused_turn_by_hand():
-    """A refused-command turn: the history gains (o_t, go to <here>), the observation is the refusal, the action
-    stays; none before the first arrival, nor where the refusal hides what the command needs (an object in view)."""
-    pytest.importorskip("alfworld")
-    from jaxopd_envs.alfworld import REFUSED_FEEDBACK
-    from jaxopd.methods.sft_data import WalkthroughTurn, refused_turn, thinking_text
-
-    cool = "Your task is to: cool some mug and put it in cabinet."
-    start = WalkthroughTurn("t", 1, _inputs(cool, [], "You are in the middle of a room."), "go to countertop 1")
-    assert refused_turn(start) is None
-    other = [("go to countertop 2", "You arrive at countertop 2. On the countertop 2, you see a apple 2.")]
-    turn = WalkthroughTurn("t", 2, _inputs(cool, other, ""), "go to cabinet 1")
-    refused = refused_turn(turn)
-    assert refused.action == "go to cabinet 1" and (refused.task_id, refused.turn) == ("t", 2)
-    assert refused.inputs.observation == REFUSED_FEEDBACK == "Nothing happens."
-    assert refused.inputs.history == turn.inputs.history + ((turn.inputs.observation, "go to countertop 2"),)
-    assert refused.inputs.admissible_actions == turn.inputs.admissible_actions
-    assert thinking_text(refused.inputs, "task-list-act-here") == cool + " I need a mug. I am at countertop 2."
-    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2.")]
-    assert refused_turn(WalkthroughTurn("t", 2, _inputs(cool, seen, ""), "take mug 2 from countertop 1")) is None
-    fridge = seen + [("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1."),
-                     ("go to fridge 1", "You arrive at fridge 1. The fridge 1 is closed.")]
-    at_fridge = refused_turn(WalkthroughTurn("t", 4, _inputs(cool, fridge, ""), "cool mug 2 with fridge 1"))
-    assert thinking_text(at_fridge.inputs, "task-list-act-here").endswith(
-        "I am at fridge 1. It is closed. I can cool mug 2 with fridge 1.")
-
-
-def test_missing_turn_by_hand():
-    """A missing-receptacle turn: the history gains (o_t, go to <one past the last of the class here>), the
-    observation is the refusal, the action stays; the count reads the admissible go-to commands and the location."""
-    pytest.importorskip("alfworld")
-    import dataclasses
-
-    from jaxopd_envs.alfworld import REFUSED_FEEDBACK
-    from jaxopd.methods.sft_data import WalkthroughTurn, missing_receptacle, missing_turn, thinking_text
-
-    cool = "Your task is to: cool some mug and put it in cabinet."
-    room = ("go to drawer 1", "go to drawer 2", "go to cabinet 4", "go to countertop 1", "look")
-    start = WalkthroughTurn("t", 1, dataclasses.replace(_inputs(cool, [], "You are in the middle of a room."),
-                                                        admissible_actions=room), "go to drawer 1")
-    assert missing_turn(start) is None
-    at = [("go to drawer 2", "You arrive at drawer 2. The drawer 2 is closed.")]
-    inputs = dataclasses.replace(_inputs(cool, at, ""), admissible_actions=room)
-    assert missing_receptacle(inputs, "drawer 2") == "drawer 3"
-    assert missing_receptacle(inputs, "cabinet 4") == "cabinet 5"
-    assert missing_receptacle(inputs, "sinkbasin 1") == "sinkbasin 2"
-    turn = WalkthroughTurn("t", 2, inputs, "open drawer 2")
-    missing = missing_turn(turn)
-    assert missing.action == "open drawer 2"
-    assert missing.inputs.history == inputs.history + ((inputs.observation, "go to drawer 3"),)
-    assert missing.inputs.observation == REFUSED_FEEDBACK
-    assert thinking_text(missing.inputs, "task-list-act-here") == (
-        cool + " I need a mug. I am at drawer 2. It is closed.")
-    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2.")]
-    take = WalkthroughTurn("t", 2, dataclasses.replace(_inputs(cool, seen, ""), admissible_actions=room),
-                           "take mug 2 from countertop 1")
-    assert missing_turn(take) is None
-
-
-def test_change_turns_by_hand():
-    """``FOCUS_TURNS["change"]``: the goal object held and still to clean, heat or cool; not before it is held, not
-    once changed, never in a task that changes nothing."""
-    pytest.importorskip("alfworld")
-    from jaxopd.methods.sft_data import FOCUS_TURNS, WalkthroughTurn
-
-    change = FOCUS_TURNS["change"]
-    cool = "Your task is to: cool some mug and put it in cabinet."
-    seen = [("go to countertop 1", "You arrive at countertop 1. On the countertop 1, you see a mug 2.")]
-    held = seen + [("take mug 2 from countertop 1", "You pick up the mug 2 from the countertop 1.")]
-    cooled = held + [("go to fridge 1", "You arrive at fridge 1. The fridge 1 is closed."),
-                     ("cool mug 2 with fridge 1", "You cool the mug 2 using the fridge 1.")]
-    assert not change(WalkthroughTurn("t", 2, _inputs(cool, seen, ""), "take mug 2 from countertop 1"))
-    assert change(WalkthroughTurn("t", 3, _inputs(cool, held, ""), "go to fridge 1"))
-    assert change(WalkthroughTurn("t", 4, _inputs(cool, held + cooled[2:3], ""), "cool mug 2 with fridge 1"))
-    assert not change(WalkthroughTurn("t", 5, _inputs(cool, cooled, ""), "go to cabinet 1"))
-    put = "Your task is to: put some mug on desk."
-    assert not change(WalkthroughTurn("t", 3, _inputs(put, held, ""), "go to desk 1"))
-
-
-def test_walkthrough_samples_with_state_thinking(alfworld, tok):
-    from jaxopd.methods.sft_data import state_thinking
     _, _, reference = alfworld
-    samples, stats = walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="state")
+    samples, stats = walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="plan")
     plain, _ = walkthrough_samples([reference], tok, max_prompt_tokens=2048)
     turns = walkthrough_turns(reference)
     assert len(samples) == len(plain) == len(turns) and stats.samples == len(turns)
     for sample, plain_sample, turn in zip(samples, plain, turns):
         prompt_length = int(np.argmax(sample.loss_mask))
         assert list(sample.tokens[:prompt_length]) == list(plain_sample.tokens[:prompt_length])   # same prompt
-        thought = state_thinking(turn.inputs)
-        assert thought.startswith(("I need a ", "I hold ", "1 of 2 placed."))
+        thought = thinking_text(turn.inputs, "plan")
+        assert thought.startswith(("I need a ", "I hold ", "0 of 2 placed.", "1 of 2 placed."))
         response = tok.decode(sample.tokens[prompt_length:-1])
         assert response == response_text(turn.action, thought)
         assert extract_action(response) == turn.action
@@ -916,77 +617,3 @@ def test_walkthrough_samples_with_state_thinking(alfworld, tok):
     assert stats.response_tokens > sum(s.num_supervised for s in plain)
     with pytest.raises(ValueError, match="unknown SFT thinking"):
         walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="chain")
-
-
-def test_walkthrough_samples_weigh_the_action_tag(alfworld, tok):
-    from jaxopd.methods.sft_data import action_token_start
-    _, _, reference = alfworld
-    plain, _ = walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="state")
-    weighted, _ = walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="state", action_weight=3.0)
-    assert len(plain) == len(weighted) > 1
-    for a, b, action in zip(plain, weighted, reference.actions):
-        assert a.loss_weight is None
-        np.testing.assert_array_equal(a.tokens, b.tokens)
-        np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
-        assert set(np.unique(b.loss_weight[b.loss_mask]).tolist()) == {1.0, 3.0}
-        assert not b.loss_weight[~b.loss_mask].any()
-        assert tok.decode(b.tokens[b.loss_weight == 3.0]) == f"<action>{action}</action>{IM_END}"
-        assert tok.decode(b.tokens[b.loss_weight == 1.0]).startswith("<think>\n")
-        assert tok.decode(b.tokens[b.loss_weight == 1.0]).endswith("</think>\n\n")
-    with pytest.raises(ValueError, match="action_weight must be a finite number > 0"):
-        walkthrough_samples([reference], tok, max_prompt_tokens=2048, action_weight=0.0)
-    with pytest.raises(ValueError, match="has no <action> tag"):
-        action_token_start(tok, "<think>\n\n</think>\n\ngo to desk 1", tok.encode("go to desk 1"))
-    with pytest.raises(ValueError, match="does not split"):
-        action_token_start(tok, response_text("look"), tok.encode("<think>x") + tok.encode(response_text("look")))
-
-
-def test_spaced_action_format_spells_the_command_as_the_thinking_does(alfworld, tok):
-    """``action_format="spaced"`` writes ``<action> {command}</action>``: the command's ids are then those of the
-    thinking's last sentence "I can {command}." (a leading-space verb), where the tight tag's are not (its verb has
-    no space, as in the admissible-action lines of the prompt); everything else of the sample is unchanged.
-    ``said`` is the spaced sample where the thinking ends on the command, the tight one elsewhere."""
-    from jaxopd.methods.sft_data import command_said
-    text = response_text("take mug 2 from countertop 1", "I can take mug 2 from countertop 1.", "spaced")
-    assert text == ("<think>\nI can take mug 2 from countertop 1.\n</think>\n\n"
-                    "<action> take mug 2 from countertop 1</action>")
-    assert extract_action(text) == "take mug 2 from countertop 1"
-    with pytest.raises(ValueError, match="unknown action format 'loose'"):
-        response_text("look", "", "loose")
-    _, _, reference = alfworld
-    with pytest.raises(ValueError, match="unknown action format"):
-        walkthrough_samples([reference], tok, max_prompt_tokens=2048, action_format="wide")
-    tight, _ = walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="task-tool-act-here",
-                                   action_weight=2.0)
-    spaced, _ = walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="task-tool-act-here",
-                                    action_weight=2.0, action_format="spaced")
-    assert len(tight) == len(spaced) > 1
-    copied = 0
-    for a, b, action in zip(tight, spaced, reference.actions):
-        prompt_length = int(np.argmax(b.loss_mask))
-        np.testing.assert_array_equal(a.tokens[:prompt_length], b.tokens[:prompt_length])
-        np.testing.assert_array_equal(a.loss_weight[a.loss_weight == 1.0], b.loss_weight[b.loss_weight == 1.0])
-        np.testing.assert_array_equal(a.tokens[a.loss_weight == 1.0], b.tokens[b.loss_weight == 1.0])  # same thinking
-        assert tok.decode(a.tokens[a.loss_weight == 2.0]) == f"<action>{action}</action>{IM_END}"
-        assert tok.decode(b.tokens[b.loss_weight == 2.0]) == f"<action> {action}</action>{IM_END}"
-        thinking = tok.decode(b.tokens[b.loss_weight == 1.0])
-        if command_said(thinking.split("\n")[1]) != action:
-            continue
-        copied += 1
-        said = tok.encode(f" {action}")
-        thought_ids = b.tokens[b.loss_weight == 1.0].tolist()
-        assert any(thought_ids[i:i + len(said)] == said for i in range(len(thought_ids)))
-        command = b.tokens[b.loss_weight == 2.0].tolist()[3:3 + len(said)]     # after '<', 'action', '>'
-        assert command == said
-        assert a.tokens[a.loss_weight == 2.0].tolist()[3] != said[0]           # tight: another id for the verb
-    assert copied > 1
-    said, _ = walkthrough_samples([reference], tok, max_prompt_tokens=2048, thinking="task-tool-act-here",
-                                  action_weight=2.0, action_format="said")
-    kinds = set()
-    for a, b, c, action in zip(tight, spaced, said, reference.actions):
-        thinking = tok.decode(c.tokens[c.loss_weight == 1.0]).split("\n")[1]
-        kinds.add(command_said(thinking) == action)
-        np.testing.assert_array_equal(c.tokens, (b if command_said(thinking) == action else a).tokens)
-    assert kinds == {True, False}                  # both kinds of turn occur in the game
-    assert response_text("go to desk 1", "I need a cd.", "said").endswith("<action>go to desk 1</action>")
-    assert response_text("go to desk 1", "I can go to desk 1.", "said").endswith("<action> go to desk 1</action>")

@@ -6,8 +6,7 @@ Before: ``--learning-rate inf`` trained and exported an all-NaN model with exit 
 without games, ``--exact-top-k`` beyond the vocabulary, ``--sft-epochs inf`` and token limits under which nothing fits
 failed late with a traceback; ``--loss action-opd`` / ``--loss sft`` on a distillation method trained nothing,
 ``--games`` with ScienceWorld, ``--train-tasks`` beyond the tasks there are and ``--phase-log`` with SFT did nothing;
-``experiments.demo_fit`` generated every game before it found that ``--model`` was a run folder, and the main job's
-malformed ``--contexts-file`` ended in a ``KeyError``.
+and the main job's malformed ``--contexts-file`` ended in a ``KeyError``.
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxopd.methods.config import RunConfig, build_config
+from jaxopd.methods.config import DistillConfig, SFTConfig, build_config, config_class
 
 
 def run_train(capsys, tmp_path, *argv):
@@ -47,21 +46,22 @@ def no_official_games(monkeypatch):
 
 # --------------------------------------------------------------------------------------------- 8: non-finite values
 FLOAT_FIELDS = ["learning_rate", "weight_decay", "max_grad_norm", "clip_eps", "dual_clip", "temperature", "top_p",
-                "match_bonus_scale", "teacher_temperature", "teacher_top_p", "eval_temperature", "sft_epochs",
-                "sft_context_weight", "sft_action_weight"]
+                "match_bonus_scale", "teacher_temperature", "teacher_top_p", "eval_temperature", "sft_epochs"]
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
 @pytest.mark.parametrize("field", FLOAT_FIELDS)
 def test_every_float_field_of_the_config_must_be_finite(field, value):
-    assert RunConfig.__dataclass_fields__[field].type == "float"
     method = "sft" if field.startswith("sft_") else "vanilla-opd"
-    with pytest.raises(ValueError, match=f"RunConfig.{field} must be a finite number"):
+    cls = config_class(method)
+    assert cls.__dataclass_fields__[field].type == "float"
+    with pytest.raises(ValueError, match=f"{cls.__name__}.{field} must be a finite number"):
         build_config(method, preset="cpu", **{field: value})
 
 
 def test_every_float_field_is_checked():
-    floats = sorted(f.name for f in RunConfig.__dataclass_fields__.values() if f.type == "float")
+    floats = sorted({f.name for cls in (DistillConfig, SFTConfig) for f in cls.__dataclass_fields__.values()
+                     if f.type == "float"})
     assert floats == sorted(FLOAT_FIELDS)
 
 
@@ -70,7 +70,6 @@ def test_every_float_field_is_checked():
     (["--method", "actfirst", "--temperature", "nan"], "temperature"),
     (["--method", "sti", "--eval-temperature", "inf"], "eval_temperature"),
     (["--method", "sft", "--sft-epochs", "inf"], "sft_epochs"),
-    (["--method", "sft", "--sft-context-weight", "inf"], "sft_context_weight"),
 ])
 def test_train_refuses_non_finite_values(capsys, tmp_path, argv, field):
     argv = [str(tmp_path / "export") if a == "EXPORT" else a for a in argv]
@@ -82,7 +81,7 @@ def test_train_refuses_non_finite_values(capsys, tmp_path, argv, field):
 def test_negative_or_oversized_seed_is_refused(capsys, tmp_path):
     assert_refused(run_train(capsys, tmp_path, "--method", "vanilla-opd", "--seed", "-1"), "seed")
     assert_refused(run_train(capsys, tmp_path, "--method", "sft", "--seed", str(2**32)), "seed")
-    with pytest.raises(ValueError, match="RunConfig.eval_seeds"):
+    with pytest.raises(ValueError, match="DistillConfig.eval_seeds"):
         build_config("vanilla-opd", preset="cpu", eval_seeds=(42, -1))
     assert build_config("vanilla-opd", preset="cpu", seed=0).seed == 0
 
@@ -93,9 +92,11 @@ def test_unknown_model_preset_without_a_folder_is_refused(capsys, tmp_path):
     assert_refused(run_train(capsys, tmp_path, "--method", "sti", "--teacher-model-preset", "huge"),
                    "teacher_model_preset", "huge")
     with pytest.raises(ValueError, match="student_model_preset"):
-        RunConfig(method="actfirst", student_model_preset="qwen9")
+        DistillConfig(method="actfirst", student_model_preset="qwen9")
     # with a folder the preset is not used; SFT has no teacher
-    assert RunConfig(method="sft", teacher_model_preset="unused").teacher_model_preset == "unused"
+    assert "teacher_model_preset" not in SFTConfig.__dataclass_fields__
+    with pytest.raises(ValueError, match="teacher_model_preset 'tiny': teacher_model_preset is a distillation"):
+        build_config("sft", teacher_model_preset="tiny")
 
 
 def fake_official_tree(root: Path, games: dict[str, int]) -> Path:
@@ -192,30 +193,13 @@ def test_train_tasks_beyond_the_official_games_is_refused(capsys, tmp_path, monk
 def test_the_refusals_are_the_librarys_too():
     for overrides in ({"loss": "action-opd"}, {"loss": "sft"}, {"train_tasks": 241, "games": "generated"},
                       {"max_train_tokens": 100}, {"seed": -3}, {"learning_rate": math.inf}):
-        with pytest.raises(ValueError, match="RunConfig"):
+        with pytest.raises(ValueError, match="DistillConfig"):
             build_config("vanilla-opd", preset="cpu", **overrides)
     with pytest.raises(ValueError, match="games"):
-        RunConfig(method="sti", benchmark="scienceworld", games="official")
+        DistillConfig(method="sti", benchmark="scienceworld", games="official")
 
 
 # --------------------------------------------------------------------------------------------- 12: other commands
-def test_demo_fit_refuses_a_run_folder_before_generating_games(capsys, tmp_path, monkeypatch):
-    from jaxopd_experiments import demo_fit
-    import jaxopd.methods.benchmarks as benchmarks
-
-    def no_games(*args, **kwargs):
-        raise AssertionError("games were generated before the model folder was checked")
-
-    monkeypatch.setattr(benchmarks, "resolve_source", no_games)
-    run = tmp_path / "run"                      # what experiments.train leaves: a RunConfig config.json
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "config.json").write_text(build_config("sft", preset="cpu").to_json())
-    out = tmp_path / "fit" / "fit.json"
-    code = demo_fit.main(["--model", str(run), "--out", str(out)])
-    assert_refused((code, capsys.readouterr().err, out.parent.exists()), "--model", "not a model checkpoint",
-                   "--export")
-
-
 @pytest.mark.parametrize("payload", [{"format": 1}, {"format": 1, "contexts": [{"task_id": "a"}], "order": ["a"],
                                                      "source": {}},
                                      {"format": 1, "contexts": [], "order": ["missing"], "source": {}}, [1, 2]])

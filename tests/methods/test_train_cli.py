@@ -9,16 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from flax import nnx
-
-from jaxopd.models.decoder import CausalLM, ModelConfig
-from jaxopd.models.weights import save_model
 
 pytestmark = pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
 
 ROOT = Path(__file__).resolve().parents[2]
-MICRO = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
-             dtype="float32", param_dtype="float32")
 
 
 def run_cli(*args, env=None):
@@ -74,11 +68,10 @@ def test_alfworld_data_pointing_at_nothing(tmp_path):
     assert_one_line(result, "ALFWORLD_DATA", "not a folder")
 
 
-def test_teacher_vocabulary_differs(tmp_path, official_data):
-    save_model(CausalLM(ModelConfig(vocab_size=300, **MICRO), rngs=nnx.Rngs(0)), tmp_path / "student")
-    save_model(CausalLM(ModelConfig(vocab_size=400, **MICRO), rngs=nnx.Rngs(1)), tmp_path / "teacher")
-    result = run_cli("--method", "vanilla-opd", "--student", str(tmp_path / "student"), "--teacher",
-                     str(tmp_path / "teacher"), "--out", str(tmp_path / "o"), env=official_data)
+def test_teacher_vocabulary_differs(tmp_path, official_data, mismatched_checkpoints):
+    student, teacher = mismatched_checkpoints           # 300 and 400 ids
+    result = run_cli("--method", "vanilla-opd", "--student", str(student), "--teacher", str(teacher),
+                     "--out", str(tmp_path / "o"), env=official_data)
     assert_one_line(result, "vocabulary", "400", "300")
 
 
@@ -93,16 +86,21 @@ def test_sft_demonstrations(tmp_path):
                             "searching-expert", "--out", str(tmp_path)), "searching expert plays ALFWorld only")
 
 
-def test_sft_context_weight_must_not_be_negative(tmp_path):
-    assert_one_line(run_cli("--method", "sft", "--sft-context-weight", "-0.5", "--out", str(tmp_path)),
-                    "sft_context_weight")
+def test_sft_fast_copies_must_not_be_negative(tmp_path):
+    assert_one_line(run_cli("--method", "sft", "--sft-fast-copies", "-1", "--out", str(tmp_path)),
+                    "sft_fast_copies")
+
+
+def test_a_flag_of_the_other_kind_of_run_is_refused(tmp_path):
+    assert_one_line(run_cli("--method", "sft", "--clip-eps", "0.3", "--out", str(tmp_path)),
+                    "clip_eps", "distillation setting", "--method sft")
+    assert_one_line(run_cli("--method", "actfirst", "--sft-epochs", "2", "--out", str(tmp_path)),
+                    "sft_epochs", "SFT setting", "--method actfirst")
 
 
 def test_sft_thinking_values(tmp_path):
     assert_one_line(run_cli("--method", "sft", "--sft-thinking", "chain", "--out", str(tmp_path)),
                     "--sft-thinking", "chain")
-    assert_one_line(run_cli("--method", "sft", "--benchmark", "scienceworld", "--sft-thinking", "state",
-                            "--out", str(tmp_path)), "state thinking reads ALFWorld prompts")
     assert_one_line(run_cli("--method", "sft", "--benchmark", "scienceworld", "--sft-thinking", "plan",
                             "--out", str(tmp_path)), "plan thinking reads ALFWorld prompts")
 

@@ -1,7 +1,8 @@
-"""``experiments.train --config FILE``: a TOML, YAML or JSON file of RunConfig fields (a run's own config.json is
+"""``experiments.train --config FILE``: a TOML, YAML or JSON file of config fields (a run's own config.json is
 one), overridden by the flags given; bad files are one line naming the problem, exit 2, nothing written."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -46,13 +47,13 @@ def test_yaml_file(tmp_path):
 
 
 @pytest.mark.parametrize("name, text, needle", [
-    ("run.toml", 'method = "sti"\nlearning_rte = 1e-5\n', "unknown RunConfig fields ['learning_rte']"),
+    ("run.toml", 'method = "sti"\nlearning_rte = 1e-5\n', "unknown config fields ['learning_rte']"),
     ("run.toml", 'method = "sti"\nlearning_rate = \n', "is not valid TOML"),
-    ("run.json", '[1, 2]', "must hold a mapping of RunConfig fields"),
+    ("run.json", '[1, 2]', "must hold a mapping of config fields"),
     ("run.ini", 'method = sti', "expected a .toml / .yaml / .yml / .json file"),
     ("run.toml", 'updates = 3\n', "--method is required"),
     ("run.toml", 'method = "grpo"\n', "unknown method 'grpo'"),
-    ("run.toml", 'method = "sti"\nlearning_rate = "fast"\n', "RunConfig.learning_rate must be a finite number"),
+    ("run.toml", 'method = "sti"\nlearning_rate = "fast"\n', "DistillConfig.learning_rate must be a finite number"),
 ])
 def test_bad_config_files_are_one_line_and_exit_2(tmp_path, capsys, name, text, needle):
     from jaxopd_experiments import train
@@ -78,4 +79,38 @@ def test_read_config_file_ignores_the_derived_departures(tmp_path):
     data = build_config("sti", preset="cpu").to_dict()
     assert "departures" in data
     path.write_text(json.dumps(data))
-    assert RunConfig(**read_config_file(path)) == build_config("sti", preset="cpu")
+    assert RunConfig.from_dict(read_config_file(path)) == build_config("sti", preset="cpu")
+
+
+def test_every_config_field_has_one_flag_made_from_the_field():
+    """The flags come from the config dataclasses: one per field of the distillation and the SFT config, its help
+    the field's own (the one owner of the text)."""
+    from jaxopd_experiments.train import build_parser, config_fields
+    from jaxopd.methods.config import DistillConfig, SFTConfig
+
+    actions = {a.dest: a for a in build_parser()._actions}
+    fields = config_fields()
+    assert set(fields) == {f.name for cls in (DistillConfig, SFTConfig) for f in dataclasses.fields(cls)}
+    for name, field in fields.items():
+        assert name in actions, name
+        if name not in ("method", "preset"):
+            assert actions[name].help.startswith(field.metadata["help"].replace("%", "%%")), name
+            assert actions[name].default is None
+
+
+def test_generated_flags_parse_to_the_fields_types():
+    config = config_of("--method", "actfirst", "--eval-seeds", "7", "8", "--prefix-sharing", "off",
+                       "--eval-greedy", "on", "--top-p", "0.9", "--rollout-backlog", "0")
+    assert (config.eval_seeds, config.prefix_sharing, config.eval_greedy, config.top_p, config.rollout_backlog) == (
+        (7, 8), False, True, 0.9, 0)
+    sft = config_of("--method", "sft", "--sft-group-by-length", "32", "--sft-thinking", "plan", "--steps", "5")
+    assert (type(sft).__name__, sft.sft_group_by_length, sft.sft_thinking, sft.updates) == ("SFTConfig", 32, "plan", 5)
+
+
+def test_a_field_of_the_other_config_is_refused_by_the_library_too():
+    with pytest.raises(ValueError, match="sft_group_by_length 4: sft_group_by_length is an SFT setting"):
+        build_config("vanilla-opd", preset="cpu", sft_group_by_length=4)
+    with pytest.raises(ValueError, match="clip_eps 0.1: clip_eps is a distillation setting; --method sft"):
+        build_config("sft", preset="cpu", clip_eps=0.1)
+    with pytest.raises(ValueError, match="sft_group_by_length must be a non-negative integer"):
+        build_config("sft", preset="cpu", sft_group_by_length=-1)
