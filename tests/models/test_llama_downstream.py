@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxopd_envs.base import Observation, Task, TextEnv
+from fake_envs import CorridorEnv, corridor_task
 from jaxopd.models.decoder import CausalLM, ModelConfig, abstract_model
 from jaxopd.rollout.prompts import GENERATION_MODES, PromptInputs, render_prompt, uses_thinking
 from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
@@ -43,63 +43,6 @@ def llama_config(vocab_size: int, **overrides) -> ModelConfig:
                                  tie_word_embeddings=True, max_position_embeddings=2048, model_type="llama",
                                  qk_norm=False, bos_token_id=1, eos_token_id=2, dtype="float32",
                                  param_dtype="float32"), **overrides})
-
-
-# ----------------------------------------------------------------------------------------------- environment
-class CorridorEnv(TextEnv):
-    """Spots 0..3; the key lies at spot 2, the door is at spot 3 (as in tests/rollout/test_strategies.py)."""
-
-    benchmark = "alfworld"
-
-    def __init__(self):
-        self.position, self.has_key, self.turn, self.won = 0, False, 0, False
-
-    def tasks(self, split):
-        return [corridor_task(i) for i in range(3)]
-
-    def walkthrough(self, task):
-        return ["go forward", "go forward", "take key", "go forward", "open door"]
-
-    def _admissible(self):
-        actions = ["go forward", "go back", "look", "inventory"]
-        if self.position == 2 and not self.has_key:
-            actions.append("take key")
-        if self.position == 3 and self.has_key:
-            actions.append("open door")
-        return tuple(actions)
-
-    def _observe(self, text, valid=True):
-        return Observation(text=text, instruction="Your task is to: open the door.",
-                           admissible_actions=self._admissible(), done=self.won, won=self.won,
-                           score=float(self.won), reward=float(self.won), turn=self.turn, last_action_valid=valid)
-
-    def reset(self, task):
-        self.position, self.has_key, self.turn, self.won = 0, False, 0, False
-        return self._observe("You are at the start of a corridor.")
-
-    def step(self, action):
-        self.turn += 1
-        command = " ".join(action.lower().split())
-        if command not in self._admissible():
-            return self._observe("Nothing happens.", valid=False)
-        if command == "go forward":
-            self.position = min(self.position + 1, 3)
-            return self._observe(f"You walk to spot {self.position}.")
-        if command == "go back":
-            self.position = max(self.position - 1, 0)
-            return self._observe(f"You walk back to spot {self.position}.")
-        if command in ("look", "inventory"):
-            return self._observe(f"You are at spot {self.position}.")
-        if command == "take key":
-            self.has_key = True
-            return self._observe("You take the key.")
-        self.won = True
-        return self._observe("You open the door.")
-
-
-def corridor_task(index: int = 0) -> Task:
-    return Task(benchmark="alfworld", split="train", task_id=f"corridor/train/{index}",
-                task_type="pick_and_place_simple")
 
 
 def corridor_inputs(reference_next_observation: str | None = "You walk to spot 2.") -> PromptInputs:
