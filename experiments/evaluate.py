@@ -260,7 +260,8 @@ def departures_from_paper(options: EvalOptions, source: BenchmarkSource, task_co
 
 
 def _load_model(options: EvalOptions):
-    from jaxopd.models.weights import load_or_init, model_record
+    from jaxopd.models.folders import load_or_init
+    from jaxopd.models.weights import model_record
 
     model = load_or_init(options.student, options.model_preset)
     if options.student is not None:

@@ -46,12 +46,13 @@ def run(args) -> int:
     with cli.usage_errors():
         folder = cli.check_checkpoint_folder("--model", resolve_model_dir(args.model))
 
-    from jaxopd.models.weights import CheckpointError, load_model
+    from jaxopd.models.folders import load_folder
+    from jaxopd.models.weights import CheckpointError
     from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
     from jaxopd.tokenizer import load_tokenizer
 
     with cli.usage_errors(CheckpointError, ValueError):
-        model = load_model(folder)
+        model = load_folder(folder)
         tokenizer = load_tokenizer(folder)
     messages = [[*([{"role": "system", "content": args.system}] if args.system else []),
                  {"role": "user", "content": prompt}] for prompt in prompts]

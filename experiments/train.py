@@ -196,7 +196,8 @@ def check_paths(config: RunConfig, args: argparse.Namespace) -> Path:
 def load_models(config: RunConfig):
     """The student and teacher (None for SFT) models, Qwen3 or Llama, and the tokenizer (the student folder's, or
     the offline Qwen3 one for a random-weight student)."""
-    from jaxopd.models.weights import CheckpointError, load_or_init
+    from jaxopd.models.folders import load_or_init
+    from jaxopd.models.weights import CheckpointError
     from jaxopd.tokenizer import load_tokenizer
 
     try:
@@ -211,6 +212,12 @@ def load_models(config: RunConfig):
             raise UsageError(f"{flag} {folder!r}: {error}") from None
 
     student = load(config.student, config.student_model_preset, config.seed, "--student")
+    if config.student_layers:
+        from jaxopd.models.weights import cut_layers
+        try:
+            student = cut_layers(student, config.student_layers)
+        except ValueError as error:
+            raise UsageError(f"--student-layers: {error}") from None
     teacher = None
     if config.method != "sft":
         teacher = load(config.teacher, config.teacher_model_preset, config.seed + 1, "--teacher")
@@ -338,14 +345,7 @@ def _run_locked(config: RunConfig, args: argparse.Namespace, out: Path, source: 
         holder["trainer"] = trainer
         summary = trainer.run()
         if args.export:
-            from flax import nnx
-
-            from jaxopd.models.weights import save_model
-            from jaxopd.tokenizer import save_tokenizer
-            import jax
-            graphdef, _ = nnx.split(student, nnx.Param)
-            save_model(nnx.merge(graphdef, jax.device_get(trainer.state.params)), args.export)
-            save_tokenizer(tokenizer, args.export)      # a folder tokenizer (a Llama's) goes with the model
+            make_exporter(config, student, tokenizer)(trainer.learner, Path(args.export))
             summary["export"] = args.export
     summary.update({"command": " ".join([sys.executable.split("/")[-1], "-m", "experiments.train", *sys.argv[1:]]),
                     "config": config.to_dict(), "machine": machine_info(), "source": source.describe(),
@@ -394,28 +394,45 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
         def evaluate(model, step):
             with Engine(model, engine_config, tokenizer=tokenizer) as engine:
                 return engine_eval(engine, step)
-    model = train_sft(student, samples, out, steps=steps, batch_size=config.batch_size,
-                      learning_rate=config.learning_rate, weight_decay=config.weight_decay,
-                      max_grad_norm=config.max_grad_norm, lr_schedule=config.lr_schedule, seed=config.seed,
-                      max_train_tokens=config.max_train_tokens,
-                      max_supervised_tokens=supervised,
-                      group_by_length=config.sft_group_by_length,
-                      checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
-                      eval_every=config.eval_every, evaluate=evaluate, exports=export_steps(args, steps),
-                      run_config=config.to_dict(), progress=progress)
+    exports = export_steps(args, steps)
+    if args.export:
+        if steps in exports:
+            raise UsageError(f"--export-at {steps} and --export both write the last step's model; give one of them")
+        exports[steps] = args.export
+    train_sft(student, samples, out, steps=steps, batch_size=config.batch_size,
+              learning_rate=config.learning_rate, weight_decay=config.weight_decay,
+              max_grad_norm=config.max_grad_norm, lr_schedule=config.lr_schedule, seed=config.seed,
+              max_train_tokens=config.max_train_tokens,
+              max_supervised_tokens=supervised,
+              group_by_length=config.sft_group_by_length,
+              checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
+              eval_every=config.eval_every, evaluate=evaluate, exports=exports, lora=config.lora_config(),
+              exporter=make_exporter(config, student, tokenizer), run_config=config.to_dict(),
+              progress=progress)
     summary: dict[str, Any] = {"steps": steps, "samples": len(samples), "data": stats.as_dict(),
                                "demonstrations": {"kind": config.sft_demonstrations, "games": len(corpus.tasks),
                                                   "demonstrated": len(corpus.references), "failed": failures}}
-    from jaxopd.tokenizer import save_tokenizer
-    for folder in export_steps(args, steps).values():   # the --export-at models the run wrote
-        if (Path(folder) / "config.json").is_file():
-            save_tokenizer(tokenizer, folder)
     if args.export:
-        from jaxopd.models.weights import save_model
-        save_model(model, args.export)
-        save_tokenizer(tokenizer, args.export)          # a folder tokenizer (a Llama's) goes with the model
         summary["export"] = args.export
     return summary
+
+
+def make_exporter(config: RunConfig, student: Any, tokenizer: Any):
+    """``export(learner, folder)``: the trained student as a Hugging Face folder, or with ``--lora-rank`` as an
+    adapter folder over ``--student`` (``jaxopd.models.folders.save_adapted``: a few MB, loaded by every command
+    like a model folder); the tokenizer goes with either (a Llama folder's own)."""
+    def export(learner: Any, folder: Path) -> None:
+        from jaxopd.tokenizer import save_tokenizer
+        if learner.lora is None:
+            from jaxopd.models.weights import save_model
+            save_model(learner.model(), folder)
+            save_tokenizer(tokenizer, folder)
+            return
+        from jaxopd.models.folders import save_adapted
+        save_adapted(folder, learner.adapters(), learner.lora, base=config.student, model_config=student.config,
+                     tokenizer=tokenizer, layers=config.student_layers or None)
+
+    return export
 
 
 def export_steps(args: argparse.Namespace, steps: int) -> dict[int, str]:

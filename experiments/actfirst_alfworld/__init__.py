@@ -243,7 +243,8 @@ def engine_config_for(preset: Preset, contexts: Sequence[TaskContext], policy: s
 def build_model(model_name: str, weights: str | None):
     """The model of ``weights`` (a Hugging Face folder, Qwen3 or Llama) or a randomly initialised ``model_name``,
     and what results.json records about it."""
-    from jaxopd.models.weights import load_or_init, model_record
+    from jaxopd.models.folders import load_or_init
+    from jaxopd.models.weights import model_record
 
     model = load_or_init(weights or None, model_name)
     return model, model_record(model, name=Path(weights).name if weights else model_name, weights=weights or None)

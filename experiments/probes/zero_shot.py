@@ -386,12 +386,12 @@ def run(args, folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from flax import nnx
 
     from jaxopd.models.decoder import count_params
-    from jaxopd.models.weights import load_model
+    from jaxopd.models.folders import load_folder
     from jaxopd.rollout.strategies.vanilla import VanillaStrategy
     from jaxopd.sampler import Engine, EngineConfig
     from jaxopd.tokenizer import load_tokenizer
 
-    model = load_model(folder)
+    model = load_folder(folder)
     tokenizer = load_tokenizer(folder)
     cfg = model.config
     config = rollout_config(args, cfg.max_position_embeddings)

@@ -68,6 +68,13 @@ class RunConfig:
     student: str | None = setting(None, "Hugging Face model folder of the student", metavar="DIR")
     student_model_preset: str = setting("qwen3-1.7b", "random-initialised student when no --student (with the "
                                         "offline Qwen3 tokenizer, so a Qwen3 preset)")
+    student_layers: tuple[int, ...] = setting((), "cut the --student model to these of its decoder layers, in "
+                                              "order (a smaller student from pretrained weights; empty: all)",
+                                              metavar="I")
+    lora_rank: int = setting(0, "train LoRA adapters of this rank on every attention and MLP projection over the "
+                                "frozen student, and export them as an adapter folder (0: train the whole model)",
+                             metavar="R")
+    lora_alpha: float = setting(32.0, "LoRA's scale numerator: a weight's update is alpha / rank · A B")
     # schedule
     updates: int = setting(250, "optimizer updates (distillation; ActionOPD: collection steps); SFT: --steps")
     batch_size: int = setting(64, "turn-level samples per update")
@@ -133,6 +140,19 @@ class RunConfig:
                     raise ValueError(f"{name}.{field.name} must be a finite number, got {value!r}")
         if self.method not in self.METHODS:
             raise ValueError(f"unknown {name} method {self.method!r}; expected one of {self.METHODS}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"{name}.lora_rank must be an integer >= 0 (0: the whole model), got {self.lora_rank!r}")
+        if self.lora_rank and self.student is None:
+            raise ValueError(f"{name}.lora_rank: LoRA adapters adapt a pretrained --student folder; a random-"
+                             "initialised student trains whole (lora_rank 0)")
+        if self.lora_rank and not self.lora_alpha > 0:
+            raise ValueError(f"{name}.lora_alpha must be > 0, got {self.lora_alpha!r}")
+        layers = tuple(self.student_layers)
+        object.__setattr__(self, "student_layers", layers)
+        if layers and (self.student is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                       for i in layers) or list(layers) != sorted(set(layers))):
+            raise ValueError(f"{name}.student_layers must be increasing layer indices, each once, of a --student "
+                             f"folder's model, got {list(layers)}" + ("" if self.student else " without a student"))
         if self.benchmark not in BENCHMARKS:
             raise ValueError(f"unknown benchmark {self.benchmark!r}; expected one of {BENCHMARKS}")
         if self.preset not in PRESETS:
@@ -211,6 +231,13 @@ class RunConfig:
         """The loss the run trains: ``loss``, or the method's own."""
         return getattr(self, "loss", None) or DEFAULT_LOSSES.get(self.method, "opd")
 
+    def lora_config(self) -> Any:
+        """The ``jaxopd.models.lora.LoraConfig`` of ``lora_rank`` / ``lora_alpha``; None when the whole model trains."""
+        if not self.lora_rank:
+            return None
+        from jaxopd.models.lora import LoraConfig
+        return LoraConfig(rank=self.lora_rank, alpha=float(self.lora_alpha))
+
     @property
     def resolved_eval_split(self) -> str:
         return self.eval_split or EVAL_SPLITS[self.benchmark][-1]
@@ -241,8 +268,9 @@ class RunConfig:
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"unknown {cls.__name__} fields {unknown}")
-        if "eval_seeds" in values:
-            values["eval_seeds"] = tuple(values["eval_seeds"])
+        for field in ("eval_seeds", "student_layers"):
+            if field in values:
+                values[field] = tuple(values[field])
         return cls(**values)
 
     def describe(self) -> str:
@@ -678,8 +706,9 @@ def read_config_file(path: Any) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"config file {str(path)!r}: unknown config fields {unknown}")
     values = {k: v for k, v in data.items() if k != "departures"}
-    if isinstance(values.get("eval_seeds"), list):
-        values["eval_seeds"] = tuple(values["eval_seeds"])
+    for field in ("eval_seeds", "student_layers"):
+        if isinstance(values.get(field), list):
+            values[field] = tuple(values[field])
     return values
 
 

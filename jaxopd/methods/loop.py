@@ -204,7 +204,8 @@ class Trainer:
                                                max_grad_norm=config.max_grad_norm),
                                self.out_dir / "checkpoints", batch_size=config.batch_size,
                                max_train_tokens=config.max_train_tokens, keep_checkpoints=config.keep_checkpoints,
-                               teacher=self.teacher if loss_config.needs_teacher_logp else None, log=self.log)
+                               teacher=self.teacher if loss_config.needs_teacher_logp else None,
+                               lora=config.lora_config(), seed=config.seed, log=self.log)
         counters, buffer = Counters(), SampleBuffer(config.max_version_lag)
         restored = self.learner.restore_or_init()
         if restored is not None:

@@ -18,6 +18,7 @@ from jaxopd.methods.metrics_log import MetricsWriter
 from jaxopd.methods.run_folder import Interrupted, run_folder
 from jaxopd.methods.sft_data import SFTDataset
 from jaxopd.models.decoder import CausalLM
+from jaxopd.models.lora import LoraConfig
 from jaxopd.sample import Sample
 from jaxopd.train.learner import Learner
 from jaxopd.train.state import OptimizerConfig
@@ -37,8 +38,10 @@ def train_sft(model: CausalLM, samples: Sequence[Sample], out_dir: str | os.Path
               group_by_length: int = 0, checkpoint_every: int = 50, keep_checkpoints: int = 3,
               eval_every: int = 0, evaluate: Callable[[CausalLM, int], Mapping[str, Any]] | None = None,
               exports: Mapping[int, str | os.PathLike] | None = None, run_config: Mapping[str, Any] | None = None,
+              lora: LoraConfig | None = None, exporter: Callable[[Learner, Path], None] | None = None,
               progress: bool = True, tensorboard: bool = True, log: Callable[[str], None] = print) -> CausalLM:
-    """Trains ``model`` for ``steps`` steps of ``batch_size`` samples; returns the model with the trained weights.
+    """Trains ``model`` for ``steps`` steps of ``batch_size`` samples; returns the model with the trained weights
+    (with ``lora``: adapters over the frozen ``model``, fresh from ``seed``; the returned model has them merged).
 
     ``lr_schedule="cosine"`` warms the rate up over the first 5 % of ``steps`` and decays it to a tenth at ``steps``
     (``OptimizerConfig``); a resumed run keeps its schedule only when given the same ``steps``. ``group_by_length``
@@ -50,7 +53,8 @@ def train_sft(model: CausalLM, samples: Sequence[Sample], out_dir: str | os.Path
     ``evaluate(model, step)`` runs before training (step 0, fresh runs only), every ``eval_every`` steps and at
     the end; its result goes to ``eval.jsonl`` with the training wall-clock (evaluation time excluded).
     ``exports`` maps a step to a folder where the model of that step is written as a Hugging Face folder when the
-    run passes it (a weaker student from the same run as its teacher). ``run_config`` (the run's config as a dict)
+    run passes it (a weaker student from the same run as its teacher), by ``exporter(learner, folder)`` if given
+    (the command line's: LoRA runs write adapter folders). ``run_config`` (the run's config as a dict)
     is stored in every checkpoint, so a resume is checked against what the checkpoint was trained with.
     The folder is locked for the run; SIGINT / SIGTERM write a checkpoint and raise ``run_folder.Interrupted``.
     """
@@ -71,20 +75,27 @@ def train_sft(model: CausalLM, samples: Sequence[Sample], out_dir: str | os.Path
                                           max_grad_norm=max_grad_norm, schedule=lr_schedule, decay_steps=steps,
                                           warmup_steps=steps // 20),
                           out_dir / "checkpoints", batch_size=batch_size, max_train_tokens=max_train_tokens,
-                          keep_checkpoints=keep_checkpoints, log=log)
+                          keep_checkpoints=keep_checkpoints, lora=lora, seed=seed, log=log)
         try:
             return _train(learner, SFTDataset(samples, batch_size, seed=seed, group_by_length=group_by_length),
                           out_dir, interruption, steps=steps, checkpoint_every=checkpoint_every,
                           eval_every=eval_every, evaluate=evaluate, exports=exports, run_config=run_config,
-                          progress=progress, tensorboard=tensorboard, log=log)
+                          exporter=exporter or save_whole_model, progress=progress, tensorboard=tensorboard, log=log)
         finally:
             learner.close()
 
 
+def save_whole_model(learner: Learner, folder: Path) -> None:
+    """The default export: the model with the current weights as a Hugging Face folder."""
+    from jaxopd.models.weights import save_model
+    save_model(learner.model(), folder)
+
+
 def _train(learner: Learner, dataset: SFTDataset, out_dir: Path, interruption: Any, *, steps: int,
            checkpoint_every: int, eval_every: int, evaluate: Callable[[CausalLM, int], Mapping[str, Any]] | None,
-           exports: Mapping[int, str | os.PathLike], run_config: Mapping[str, Any] | None, progress: bool,
-           tensorboard: bool, log: Callable[[str], None]) -> CausalLM:
+           exports: Mapping[int, str | os.PathLike], run_config: Mapping[str, Any] | None,
+           exporter: Callable[[Learner, Path], None], progress: bool, tensorboard: bool,
+           log: Callable[[str], None]) -> CausalLM:
     """The SFT loop: the next batch of the dataset's order → step → metrics, checkpoint, export, evaluation."""
     restored = learner.restore_or_init()
     wall = 0.0
@@ -134,8 +145,7 @@ def _train(learner: Learner, dataset: SFTDataset, out_dir: Path, interruption: A
             if saved:
                 learner.save(metadata=metadata(time.perf_counter() - start))
             if step in exports:
-                from jaxopd.models.weights import save_model
-                save_model(learner.model(), exports[step])
+                exporter(learner, Path(exports[step]))
                 log(f"exported the step-{step} model to {exports[step]}")
             if evaluate is not None and ((eval_every and step % eval_every == 0) or step == steps):
                 start += run_eval(step, time.perf_counter() - start)

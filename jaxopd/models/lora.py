@@ -5,7 +5,7 @@ adapted model starts as its base), ``merge`` (the base's parameters plus ``alpha
 function that runs inside ``jit``), and the adapter folder: PEFT's ``adapter_config.json`` and
 ``adapter_model.safetensors`` (``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]`` in Hugging Face's layout, so
 ``peft`` loads it over the same base), plus which base it adapts (a fetched model's name or a folder) and, for a
-student cut from its base, the kept layers. ``load_adapted`` rebuilds the merged ``CausalLM`` from such a folder.
+student cut from its base, the kept layers. ``jaxopd.models.folders`` loads such a folder as a model.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxopd.models.decoder import CausalLM
-from jaxopd.models.weights import CheckpointError, SafetensorsFile, cut_layers, load_model, write_safetensors
+from jaxopd.models.weights import CheckpointError, SafetensorsFile, write_safetensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -115,7 +115,8 @@ def _hf_key(name: str, which: str) -> str:
 def save_adapters(folder: str | os.PathLike, adapters: Adapters, config: LoraConfig, *, base: str,
                   layers: Sequence[int] | None = None, dtype: Any = np.float32) -> Path:
     """Write ``adapters`` as a PEFT adapter folder over ``base`` (a fetched model's name, or a folder: stored
-    relative to ``folder`` when it is one); ``layers``: the base's layers the adapted model keeps (a cut student)."""
+    relative to ``folder`` when it is one); ``layers``: the base's layers the adapted model keeps (a cut student).
+    ``jaxopd.models.folders.save_adapted`` also writes the adapted model's ``config.json`` and tokenizer beside."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -152,20 +153,6 @@ def read_adapter_config(folder: str | os.PathLike) -> dict[str, Any]:
     return record
 
 
-def base_folder(folder: str | os.PathLike) -> Path:
-    """The folder of the base model an adapter folder adapts (a fetched model's name resolved in the cache)."""
-    from jaxopd.models.pretrained import PRETRAINED, resolve_model_dir
-
-    ref = read_adapter_config(folder)["base_model_name_or_path"]
-    if ref in PRETRAINED:
-        return resolve_model_dir(ref)
-    path = Path(ref) if Path(ref).is_absolute() else Path(folder) / ref
-    if not path.is_dir():
-        raise CheckpointError(f"{Path(folder) / ADAPTER_CONFIG}: base model {ref!r} is not a folder or a fetched "
-                              "model's name")
-    return path
-
-
 def load_adapters(folder: str | os.PathLike) -> tuple[Adapters, LoraConfig, list[int] | None]:
     """The adapters, their config and the kept layers of an adapter folder."""
     record = read_adapter_config(folder)
@@ -191,19 +178,15 @@ def load_adapters(folder: str | os.PathLike) -> tuple[Adapters, LoraConfig, list
     return adapters, config, layers
 
 
-def load_adapted(folder: str | os.PathLike, *, dtype: str | None = None) -> CausalLM:
-    """The model an adapter folder describes: its base (cut to the kept layers), the adapters merged in."""
-    adapters, config, layers = load_adapters(folder)
-    model = load_model(base_folder(folder), dtype=dtype)
-    if layers is not None:
-        model = cut_layers(model, layers)
-    cfg = model.config
+def check_fits(adapters: Adapters, config: LoraConfig, model: CausalLM, where: str) -> None:
+    """``CheckpointError`` unless every adapter names a layer and target of ``model`` with the matching shapes."""
+    params = nnx.state(model, nnx.Param)
     for name, pair in adapters.items():
         layer, target = name.split(".", 1)
-        if not 0 <= int(layer) < cfg.num_layers:
-            raise CheckpointError(f"{folder}: adapter for layer {layer}, the model has {cfg.num_layers} layers")
-        fan_in, fan_out = _in_out(_weight(nnx.state(model, nnx.Param), int(layer), target).shape, target)
-        if pair["a"].shape != (fan_in, config.rank) or pair["b"].shape != (config.rank, fan_out):
-            raise CheckpointError(f"{folder}: adapter {name} has shapes {pair['a'].shape} / {pair['b'].shape}, "
-                                  f"expected ({fan_in}, {config.rank}) / ({config.rank}, {fan_out})")
-    return merged_model(model, adapters, config)
+        if not 0 <= int(layer) < model.config.num_layers:
+            raise CheckpointError(f"{where}: adapter for layer {layer}, the model has {model.config.num_layers} layers")
+        fan_in, fan_out = _in_out(_weight(params, int(layer), target).shape, target)
+        if tuple(pair["a"].shape) != (fan_in, config.rank) or tuple(pair["b"].shape) != (config.rank, fan_out):
+            raise CheckpointError(f"{where}: adapter {name} has shapes {tuple(pair['a'].shape)} / "
+                                  f"{tuple(pair['b'].shape)}, expected ({fan_in}, {config.rank}) / "
+                                  f"({config.rank}, {fan_out})")

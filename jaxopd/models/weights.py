@@ -348,17 +348,6 @@ def cut_layers(model: CausalLM, keep: Sequence[int]) -> CausalLM:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def load_or_init(folder: str | os.PathLike | None, preset: str, *, seed: int = 0,
-                 dtype: str | None = None) -> CausalLM:
-    """The one way the command lines get a model: the Hugging Face folder ``folder`` (``load_model``), or, when it
-    is None, a random-initialised ``preset`` of ``jaxopd.models.decoder.PRESETS`` from ``seed``. Raises
-    ``CheckpointError`` / ``OSError`` / ``ValueError`` naming what is wrong (the callers add their flag)."""
-    if folder is not None:
-        return load_model(folder, dtype=dtype)
-    config = ModelConfig.preset(preset) if dtype is None else ModelConfig.preset(preset, dtype=dtype)
-    return CausalLM(config, rngs=nnx.Rngs(seed))
-
-
 def model_record(model: CausalLM, *, name: str, weights: str | os.PathLike | None) -> dict[str, Any]:
     """What a result records about its model: name, parameter count, dtype, the weights folder (None: random
     weights) and ``paper_architecture``, whether it has Qwen3-1.7B's shape (ActFirst-OPD's student; any dtype)."""
@@ -377,5 +366,5 @@ load_qwen3 = load_model     # the name before the Llama family (kept for existin
 save_qwen3 = save_model
 
 __all__ = ["CheckpointError", "KeyRule", "SafetensorsFile", "check_checkpoint_files", "cut_layers", "key_map",
-           "load_model", "load_or_init", "model_record", "read_config",
+           "load_model", "model_record", "read_config",
            "save_model", "write_safetensors", "iter_hf_tensors"]

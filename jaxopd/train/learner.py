@@ -13,6 +13,7 @@ import jax
 from flax import nnx
 
 from jaxopd.models.decoder import CausalLM
+from jaxopd.models.lora import LoraConfig, init_adapters, merge
 from jaxopd.models.sharding import copy_to, named_shardings
 from jaxopd.train.buffer import Sample, SampleBuffer, TrainBatch, collate_samples
 from jaxopd.train.checkpoint import RestoredRun, TrainCheckpointer
@@ -20,7 +21,7 @@ from jaxopd.train.logprobs import check_supervised_fit
 from jaxopd.train.mesh import RoleMeshes, RolePlan, build_meshes
 from jaxopd.train.scoring import make_teacher_scorer, score_batch
 from jaxopd.train.state import (OptimizerConfig, TrainState, abstract_train_state, batch_shardings, init_train_state,
-                                make_optimizer, place_batch, train_state_shardings)
+                                make_optimizer, place_batch, replicated, train_state_shardings)
 from jaxopd.train.step import LossConfig, make_train_step
 from jaxopd.train.sync import WeightSync
 
@@ -39,22 +40,39 @@ class Learner:
     ``loss`` / ``optimizer``: the step's loss and AdamW settings; ``checkpoints``: the folder of the run's
     checkpoints (the newest ``keep_checkpoints`` kept); ``teacher``: the teacher model, needed when ``loss`` reads
     teacher log-probs; ``batch_size`` rows of at most ``max_train_tokens`` tokens make a batch. ``meshes`` default to
-    the role plan of this host's devices.
+    the role plan of this host's devices. ``lora``: train LoRA adapters (fresh from ``seed``) over the frozen
+    student instead of the whole model; the engine and ``model()`` get the base with the adapters merged.
     """
 
     def __init__(self, student: CausalLM, loss: LossConfig, optimizer: OptimizerConfig,
                  checkpoints: str | os.PathLike, *, batch_size: int, max_train_tokens: int,
                  teacher: CausalLM | None = None, keep_checkpoints: int | None = 3, meshes: RoleMeshes | None = None,
-                 log: Callable[[str], None] = print):
+                 lora: LoraConfig | None = None, seed: int = 0, log: Callable[[str], None] = print):
         if loss.needs_teacher_logp and teacher is None:
             raise ValueError(f"the {loss.kind} loss reads the teacher's log-probabilities: give the Learner a teacher")
         self.loss_config, self.batch_size, self.max_train_tokens, self.log = loss, batch_size, max_train_tokens, log
         self.meshes = meshes or build_meshes(RolePlan.for_device_count(len(jax.devices())))
-        self.graphdef, self._initial_params = nnx.split(student, nnx.Param)
+        self.graphdef, student_params = nnx.split(student, nnx.Param)
+        self._model_params = student_params                 # the structure the rollout engine takes
         self._optimizer = make_optimizer(optimizer)
-        self.state_shardings = train_state_shardings(self._initial_params, self._optimizer, self.meshes.trainer)
-        self.rows = batch_shardings(self.meshes.trainer)
-        self._train_step = make_train_step(self.graphdef, self._optimizer, loss, self.state_shardings, self.rows)
+        self.lora, self._base, self._merge = lora, None, None
+        trainer = self.meshes.trainer
+        if lora is None:
+            self._initial_params = student_params
+            self.state_shardings = train_state_shardings(student_params, self._optimizer, trainer)
+        else:       # the student's weights stay frozen on the trainer mesh; the state trains adapters
+            base_shardings = named_shardings(student_params, trainer)
+            self._base = copy_to(student_params, base_shardings)
+            self._initial_params = init_adapters(student_params, lora, jax.random.key(seed),
+                                                 num_layers=student.config.num_layers)
+            adapter_shardings = jax.tree.map(lambda _: replicated(trainer), self._initial_params)
+            self.state_shardings = train_state_shardings(self._initial_params, self._optimizer, trainer,
+                                                         param_shardings=adapter_shardings)
+            self._merge = jax.jit(lambda base, adapters: merge(base, adapters, lora),
+                                  in_shardings=(base_shardings, adapter_shardings), out_shardings=base_shardings)
+        self.rows = batch_shardings(trainer)
+        self._train_step = make_train_step(self.graphdef, self._optimizer, loss, self.state_shardings, self.rows,
+                                           lora=lora, base_shardings=None if lora is None else base_shardings)
         self._sync: WeightSync | None = None
         self.scorer = self.teacher_params = None
         if loss.needs_teacher_logp:
@@ -99,23 +117,34 @@ class Learner:
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer update on ``batch``; the policy version moves on by one. Returns the step's metrics."""
-        self.state, metrics = self._train_step(self.state, batch)
+        base = () if self.lora is None else (self._base,)
+        self.state, metrics = self._train_step(self.state, batch, *base)
         self.version += 1
         return {name: float(value) for name, value in jax.device_get(metrics).items()}
 
     def push(self, engine: Any) -> None:
         """The current weights to a rollout engine (``engine.update_weights``), tagged with the version."""
         if self._sync is None:
-            self._sync = WeightSync.for_mesh(self._initial_params, self.meshes.rollout)
-        engine.update_weights(self._sync(self.state.params, self.version).params, version=self.version)
+            self._sync = WeightSync.for_mesh(self._model_params, self.meshes.rollout)
+        engine.update_weights(self._sync(self.model_params(), self.version).params, version=self.version)
 
     def save(self, buffer: SampleBuffer | None = None, metadata: Mapping[str, Any] | None = None) -> None:
         """A checkpoint of the current version: the state, ``buffer`` and ``metadata``."""
         self.checkpointer.save(self.state, buffer, dict(metadata or {}))
 
+    def model_params(self) -> nnx.State:
+        """The student's current parameters on the trainer mesh (with LoRA: the base with the adapters merged)."""
+        return self.state.params if self.lora is None else self._merge(self._base, self.state.params)
+
+    def adapters(self) -> Any:
+        """The current LoRA adapters on the host (``jaxopd.models.folders.save_adapted`` writes them)."""
+        if self.lora is None:
+            raise ValueError("this Learner trains the whole model (no LoRA adapters)")
+        return jax.device_get(self.state.params)
+
     def model(self) -> CausalLM:
         """The student with the current weights, on the host."""
-        return nnx.merge(self.graphdef, jax.device_get(self.state.params))
+        return nnx.merge(self.graphdef, jax.device_get(self.model_params()))
 
     def close(self) -> None:
         self.checkpointer.close()

@@ -98,11 +98,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def train_state_shardings(abstract_params: nnx.State, optimizer: optax.GradientTransformation, mesh: Mesh,
-                          rules: ShardingRules = DEFAULT_RULES) -> TrainState:
+def train_state_shardings(abstract_params: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
+                          rules: ShardingRules = DEFAULT_RULES, *, param_shardings: Any = None) -> TrainState:
     """Shardings of a ``TrainState`` on ``mesh``: parameters and every optimizer-state copy of them by the
-    parameters' logical axes, scalars (step, Adam count) replicated."""
-    param_shardings = named_shardings(abstract_params, mesh, rules)
+    parameters' logical axes (or ``param_shardings``, for trained parameters that are no model state, such as LoRA
+    adapters), scalars (step, Adam count) replicated."""
+    if param_shardings is None:
+        param_shardings = named_shardings(abstract_params, mesh, rules)
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
     opt_shardings = optax.tree_map_params(optimizer, lambda _, sharding: sharding, abstract_opt_state,
                                           param_shardings, transform_non_params=lambda _: replicated(mesh))

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxopd import losses
 from jaxopd.models.decoder import CausalLM, dense_causal_attend
+from jaxopd.models.lora import LoraConfig, merge
 from jaxopd.models.logprobs import ROLLOUT_TEMPERATURE, effective_temperature, token_log_probs
 from jaxopd.train.buffer import TrainBatch
 from jaxopd.train.logprobs import (context_log_probs, sequence_log_probs, supervised_dense_log_probs,
@@ -289,20 +290,23 @@ def _sft_with_context_loss(model: CausalLM, batch: TrainBatch, config: LossConfi
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, loss_config: LossConfig,
-                    state_shardings: TrainState, batch_sharding: TrainBatch, *, donate: bool = True
-                    ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]:
+                    state_shardings: TrainState, batch_sharding: TrainBatch, *, donate: bool = True,
+                    lora: LoraConfig | None = None, base_shardings: Any = None
+                    ) -> Callable[..., tuple[TrainState, Metrics]]:
     """``train_step(state, batch) -> (new_state, metrics)`` compiled for the trainer mesh.
 
     One optimizer update on the gradient of the batch loss. In- and out-shardings are explicit: the state
     keeps ``state_shardings``, the batch is ``batch_sharding``, metrics come back replicated. With
     ``donate`` the input state's buffers are reused for the output (do not touch ``state`` afterwards).
     Metrics: the loss's own metrics plus ``loss``, ``grad_norm`` (before clipping) and ``update_norm``.
+
+    With ``lora`` the state's parameters are LoRA adapters and the step is ``train_step(state, batch, base)``: the
+    loss reads ``lora.merge(base, adapters)``, the frozen ``base`` (laid out by ``base_shardings``) gets no update.
     """
     mesh = state_shardings.step.mesh
 
-    def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
-        (loss, metrics), grads = jax.value_and_grad(batch_loss, has_aux=True)(state.params, graphdef, batch,
-                                                                              loss_config)
+    def update(state: TrainState, loss_of: Callable[[Any], tuple[jax.Array, Metrics]]) -> tuple[TrainState, Metrics]:
+        (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads),
@@ -310,8 +314,19 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         metrics = {name: jnp.asarray(value, jnp.float32) for name, value in metrics.items()}
         return TrainState(state.step + 1, params, opt_state), metrics
 
-    return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                   out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,) if donate else ())
+    donated = (0,) if donate else ()
+    if lora is None:
+        def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+            return update(state, lambda params: batch_loss(params, graphdef, batch, loss_config))
+
+        return jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                       out_shardings=(state_shardings, replicated(mesh)), donate_argnums=donated)
+
+    def lora_step(state: TrainState, batch: TrainBatch, base: nnx.State) -> tuple[TrainState, Metrics]:
+        return update(state, lambda adapters: batch_loss(merge(base, adapters, lora), graphdef, batch, loss_config))
+
+    return jax.jit(lora_step, in_shardings=(state_shardings, batch_sharding, base_shardings),
+                   out_shardings=(state_shardings, replicated(mesh)), donate_argnums=donated)
 
 
 __all__ = ["Metrics", "LOSS_KINDS", "ADVANTAGE_KINDS", "LossConfig", "model_log_probs", "TOKEN_LOSSES",

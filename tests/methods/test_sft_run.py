@@ -1,6 +1,6 @@
 """``experiments.train``'s SFT path end to end (``run_sft``): demonstrations of generated ALFWorld games become
-samples, the sharded step trains them with the context language-model term, checkpoints resume, and the
-exported Hugging Face folder holds the trained weights."""
+samples, the sharded step trains them, checkpoints resume, and the exported Hugging Face folder holds the trained
+weights; with ``--lora-rank`` and ``--student-layers`` a cut student trains adapters and exports an adapter folder."""
 from __future__ import annotations
 
 import argparse
@@ -82,6 +82,41 @@ def test_run_sft_trains_resumes_and_exports(source, tmp_path):
     difference = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                      for a, b in zip(jax.tree.leaves(nnx.state(exported, nnx.Param)), jax.tree.leaves(random_init)))
     assert difference > 1e-3
+
+
+def test_run_sft_with_lora_on_a_cut_student_exports_an_adapter_folder(source, tmp_path):
+    from jaxopd.models.folders import load_folder
+    from jaxopd.models.lora import load_adapters, merged_model
+    from jaxopd.models.weights import cut_layers, load_model, save_model
+
+    two_layers = CausalLM(ModelConfig(**{**MICRO.__dict__, "num_layers": 2}), rngs=nnx.Rngs(0))
+    save_model(two_layers, tmp_path / "base")
+    base_before = (tmp_path / "base" / "model.safetensors").read_bytes()
+    student = cut_layers(load_model(tmp_path / "base"), [1])
+    config = build_config("sft", preset="cpu", batch_size=4, checkpoint_every=2, max_prompt_tokens=1024,
+                          max_train_tokens=1152, updates=3, student=str(tmp_path / "base"), student_layers=(1,),
+                          lora_rank=4, lora_alpha=8.0, learning_rate=1e-2)
+    args = argparse.Namespace(steps=3, no_eval=True, export=str(tmp_path / "adapter"), export_at=None)
+    out = tmp_path / "sft"
+    out.mkdir()
+    from jaxopd_experiments.train import run_sft
+    run_sft(config, args, source, student, Qwen3Tokenizer(), out, progress=False)
+
+    records = [r for r in read_jsonl(out / "train.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["loss"] < records[0]["loss"]
+    record = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (record["r"], record["lora_alpha"], record["jaxopd_layers"]) == (4, 8.0, [1])
+    assert record["base_model_name_or_path"] == "../base"
+    assert json.loads((tmp_path / "adapter" / "config.json").read_text())["num_hidden_layers"] == 1
+    assert (tmp_path / "base" / "model.safetensors").read_bytes() == base_before
+    adapters, lora, _ = load_adapters(tmp_path / "adapter")
+    assert any(float(np.abs(pair["b"]).max()) > 0 for pair in adapters.values())        # trained
+    tokens = np.asarray([[3, 17, 99, 250, 7]], np.int32)
+    exported = np.asarray(load_folder(tmp_path / "adapter")(tokens))
+    np.testing.assert_allclose(exported, np.asarray(merged_model(student, adapters, lora)(tokens)), atol=1e-5)
+    assert np.abs(exported - np.asarray(student(tokens))).max() > 1e-4
+    with TrainCheckpointer(out / "checkpoints") as checkpointer:       # checkpoints hold the adapters alone
+        assert checkpointer.all_steps()[-1] == 3
 
 
 def test_held_out_divergence_reads_answers_in_the_configured_thinking(source):

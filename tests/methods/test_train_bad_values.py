@@ -46,7 +46,8 @@ def no_official_games(monkeypatch):
 
 # --------------------------------------------------------------------------------------------- 8: non-finite values
 FLOAT_FIELDS = ["learning_rate", "weight_decay", "max_grad_norm", "clip_eps", "dual_clip", "temperature", "top_p",
-                "match_bonus_scale", "teacher_temperature", "teacher_top_p", "eval_temperature", "sft_epochs"]
+                "match_bonus_scale", "teacher_temperature", "teacher_top_p", "eval_temperature", "sft_epochs",
+                "lora_alpha"]
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
@@ -84,6 +85,21 @@ def test_negative_or_oversized_seed_is_refused(capsys, tmp_path):
     with pytest.raises(ValueError, match="DistillConfig.eval_seeds"):
         build_config("vanilla-opd", preset="cpu", eval_seeds=(42, -1))
     assert build_config("vanilla-opd", preset="cpu", seed=0).seed == 0
+
+
+def test_lora_and_layer_cuts_are_checked(capsys, tmp_path):
+    assert_refused(run_train(capsys, tmp_path, "--method", "sft", "--lora-rank", "-1"), "lora_rank")
+    assert_refused(run_train(capsys, tmp_path, "--method", "sft", "--lora-rank", "4"), "lora_rank",
+                   "pretrained --student")
+    assert_refused(run_train(capsys, tmp_path, "--method", "sft", "--student-layers", "0", "2"), "student_layers",
+                   "without a student")
+    with pytest.raises(ValueError, match="student_layers must be increasing"):
+        build_config("sft", preset="cpu", student="x", student_layers=(2, 1))
+    with pytest.raises(ValueError, match="lora_alpha must be > 0"):
+        build_config("vanilla-opd", preset="cpu", student="x", lora_rank=8, lora_alpha=0.0)
+    config = build_config("vanilla-opd", preset="cpu", student="x", lora_rank=8, lora_alpha=16.0, student_layers=[0, 3])
+    assert (config.lora_config().rank, config.lora_config().scale, config.student_layers) == (8, 2.0, (0, 3))
+    assert build_config("sft", preset="cpu").lora_config() is None
 
 
 def test_unknown_model_preset_without_a_folder_is_refused(capsys, tmp_path):

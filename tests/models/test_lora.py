@@ -2,7 +2,8 @@
 weights only and leaves the base state untouched; the adapters' gradient is the chain rule through the merged weight
 (``∂L/∂a = s · G bᵀ``, ``∂L/∂b = s · aᵀ G`` with ``G`` the weight's gradient); a saved adapter folder is PEFT's
 layout: transformers' model with ``W += s · B @ A`` added by hand (an independent reference) gives our merged logits;
-``load_adapted`` rebuilds the model, also over a cut base; bad folders are refused naming the problem."""
+``folders.load_folder`` rebuilds the model, also over a cut base and over another adapter folder; bad folders are
+refused naming the problem."""
 from __future__ import annotations
 
 import json
@@ -15,8 +16,8 @@ import torch
 from flax import nnx
 
 from conftest import make_hf_qwen3
-from jaxopd.models.lora import (TARGETS, LoraConfig, init_adapters, load_adapted, load_adapters, merge, merged_model,
-                                save_adapters)
+from jaxopd.models.folders import base_reference, load_folder, save_adapted
+from jaxopd.models.lora import TARGETS, LoraConfig, init_adapters, load_adapters, merge, merged_model, save_adapters
 from jaxopd.models.weights import CheckpointError, cut_layers, load_model
 
 PROMPT = [3, 17, 99, 250, 7, 41, 300, 12]
@@ -105,7 +106,7 @@ def test_a_saved_folder_is_peft_layout_and_transformers_agrees(base, tmp_path):
     save_adapters(tmp_path / "adapter", adapters, CONFIG, base=str(folder))
     record = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (record["peft_type"], record["r"], record["lora_alpha"]) == ("LORA", 4, 8.0)
-    ours = logits(load_adapted(tmp_path / "adapter", dtype="float32"))
+    ours = logits(load_folder(tmp_path / "adapter", dtype="float32"))
     np.testing.assert_allclose(ours, logits(merged_model(model, adapters, CONFIG)), atol=1e-5)
 
     from jaxopd.models.weights import SafetensorsFile
@@ -132,7 +133,7 @@ def test_an_adapter_over_a_cut_base(base, tmp_path):
     save_adapters(tmp_path / "student", adapters, CONFIG, base=str(folder), layers=[1])
     loaded_adapters, config, layers = load_adapters(tmp_path / "student")
     assert (config, layers, sorted(loaded_adapters)) == (CONFIG, [1], sorted(adapters))
-    np.testing.assert_allclose(logits(load_adapted(tmp_path / "student", dtype="float32")),
+    np.testing.assert_allclose(logits(load_folder(tmp_path / "student", dtype="float32")),
                                logits(merged_model(student, adapters, CONFIG)), atol=1e-5)
 
 
@@ -145,11 +146,31 @@ def test_bad_configs_and_folders_are_refused(base, tmp_path):
     model = load_model(folder, dtype="float32")
     save_adapters(tmp_path / "a", random_adapters(model), CONFIG, base=str(tmp_path / "nowhere"))
     with pytest.raises(CheckpointError, match="base model .* is not a folder"):
-        load_adapted(tmp_path / "a")
+        load_folder(tmp_path / "a")
     save_adapters(tmp_path / "b", random_adapters(model), CONFIG, base=str(folder), layers=[0])
     with pytest.raises(CheckpointError, match="adapter for layer 1, the model has 1 layers"):
-        load_adapted(tmp_path / "b")
+        load_folder(tmp_path / "b")
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "adapter_config.json").write_text(json.dumps({"r": 4}))
     with pytest.raises(CheckpointError, match="has no 'lora_alpha'"):
-        load_adapted(tmp_path / "c")
+        load_folder(tmp_path / "c")
+
+
+def test_an_adapter_folder_over_an_adapter_folder_carries_config_and_tokenizer(base, tmp_path):
+    from jaxopd.tokenizer import load_tokenizer
+
+    folder, _ = base
+    student = cut_layers(load_model(folder, dtype="float32"), [0])
+    first = random_adapters(student, seed=4)
+    save_adapted(tmp_path / "student", first, CONFIG, base=folder, model_config=student.config, layers=[0])
+    merged_student = load_folder(tmp_path / "student", dtype="float32")
+    second = random_adapters(merged_student, seed=6)
+    save_adapted(tmp_path / "distilled", second, CONFIG, base=tmp_path / "student",
+                 model_config=merged_student.config, tokenizer=load_tokenizer(None))
+    assert json.loads((tmp_path / "distilled" / "config.json").read_text())["num_hidden_layers"] == 1
+    assert json.loads((tmp_path / "distilled" / "adapter_config.json").read_text())["base_model_name_or_path"] \
+        == "../student"
+    np.testing.assert_allclose(logits(load_folder(tmp_path / "distilled", dtype="float32")),
+                               logits(merged_model(merged_student, second, CONFIG)), atol=1e-5)
+    assert load_tokenizer(tmp_path / "distilled").vocab_size == load_tokenizer(None).vocab_size
+    assert base_reference(folder) == str(folder)            # not a fetched catalogue model: a path
