@@ -198,3 +198,29 @@ def test_engine_greedy_matches_transformers_generate(model, ref_model, tokenizer
         assert result.finish_reason == ("stop" if ref[-1] == 2 else "length")
         assert result.text == tok.decode(result.token_ids)
     assert any(len(r.token_ids) >= 8 for r in results)    # real continuations, not an immediate end of turn
+
+
+def test_an_adapter_folder_names_the_fetched_base_by_name(model, folder, tmp_path):
+    """A student cut from the fetched model and adapted: its folder names the base ``smollm2-135m-instruct`` (so it
+    works on any machine after the fetch) and loads to the cut model with the adapters merged."""
+    import jax
+    from flax import nnx
+
+    from jaxopd.models.folders import base_reference, load_folder, save_adapted
+    from jaxopd.models.lora import LoraConfig, init_adapters, merged_model
+    from jaxopd.models.pretrained import catalogue_name
+    from jaxopd.models.weights import cut_layers
+
+    assert catalogue_name(folder) == base_reference(folder) == NAME
+    student = cut_layers(model, [0, 29])
+    config = LoraConfig(rank=2, alpha=4.0)
+    adapters = init_adapters(nnx.state(student, nnx.Param), config, jax.random.key(0), num_layers=2)
+    adapters = {k: {"a": v["a"], "b": v["b"] + 0.01} for k, v in adapters.items()}
+    save_adapted(tmp_path / "student", adapters, config, base=folder, model_config=student.config,
+                 tokenizer=load_tokenizer(folder), layers=[0, 29])
+    assert json.loads((tmp_path / "student" / "adapter_config.json").read_text())["base_model_name_or_path"] == NAME
+    tokens = jnp.asarray([[1, 504, 2483, 30, 2]], jnp.int32)
+    np.testing.assert_allclose(np.asarray(load_folder(tmp_path / "student")(tokens)),
+                               np.asarray(merged_model(student, adapters, config)(tokens)), atol=1e-4)
+    assert load_tokenizer(tmp_path / "student").encode("go to fridge 1") == \
+        load_tokenizer(folder).encode("go to fridge 1")
