@@ -424,8 +424,8 @@ def make_exporter(config: RunConfig, student: Any, tokenizer: Any):
     def export(learner: Any, folder: Path) -> None:
         from jaxopd.tokenizer import save_tokenizer
         if learner.lora is None:
-            from jaxopd.models.weights import save_model
-            save_model(learner.model(), folder)
+            from jaxopd.methods.sft import save_whole_model
+            save_whole_model(learner, folder)
             save_tokenizer(tokenizer, folder)
             return
         from jaxopd.models.folders import save_adapted

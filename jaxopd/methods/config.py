@@ -41,6 +41,9 @@ knows where everything lies; ScienceWorld's gold path), or ALFWorld's searching 
 it looks for objects from what it has seen, as an agent on an unseen game must)."""
 
 
+TUPLE_FIELDS = ("eval_seeds", "student_layers")     # JSON / TOML / YAML give them as lists
+
+
 def setting(default: Any, help: str, **flag: Any) -> Any:
     """A config field with its command-line help (and ``choices`` / ``metavar`` for the flag) in its metadata: the
     one owner of a flag's text (``experiments.train.build_parser`` makes every flag from the fields)."""
@@ -268,7 +271,7 @@ class RunConfig:
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"unknown {cls.__name__} fields {unknown}")
-        for field in ("eval_seeds", "student_layers"):
+        for field in TUPLE_FIELDS:
             if field in values:
                 values[field] = tuple(values[field])
         return cls(**values)
@@ -706,7 +709,7 @@ def read_config_file(path: Any) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"config file {str(path)!r}: unknown config fields {unknown}")
     values = {k: v for k, v in data.items() if k != "departures"}
-    for field in ("eval_seeds", "student_layers"):
+    for field in TUPLE_FIELDS:
         if isinstance(values.get(field), list):
             values[field] = tuple(values[field])
     return values
