@@ -122,8 +122,8 @@ def build_model(model_name: str, weights: str | None, *, seed: int = 0):
 
     tokenizer = load_tokenizer(weights)         # random weights: the offline Qwen3 tokenizer
     if weights:
-        from jaxopd.models.weights import load_model
-        model, name = load_model(weights), Path(weights).name
+        from jaxopd.models.folders import load_folder      # a Hugging Face folder or an adapter folder over one
+        model, name = load_folder(weights), Path(weights).name
     else:
         config = dataclasses.replace(ModelConfig.preset(model_name), vocab_size=tokenizer.vocab_size)
         model, name = CausalLM(config, rngs=nnx.Rngs(seed)), model_name

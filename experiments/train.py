@@ -290,7 +290,7 @@ def held_out_divergence(config: RunConfig, source: Any, tokenizer: Any, student:
     teacher_pair = nnx.split(teacher, nnx.Param)
 
     def divergence() -> float:
-        return exact_reverse_kl((student_graphdef, trainer().state.params), teacher_pair, samples,
+        return exact_reverse_kl((student_graphdef, trainer().learner.model_params()), teacher_pair, samples,
                                 temperature=config.temperature or 1.0)
 
     return divergence

@@ -41,7 +41,7 @@ knows where everything lies; ScienceWorld's gold path), or ALFWorld's searching 
 it looks for objects from what it has seen, as an agent on an unseen game must)."""
 
 
-TUPLE_FIELDS = ("eval_seeds", "student_layers")     # JSON / TOML / YAML give them as lists
+TUPLE_FIELDS = ("eval_seeds", "student_layers", "lora_layers")     # JSON / TOML / YAML give them as lists
 
 
 def setting(default: Any, help: str, **flag: Any) -> Any:
@@ -78,6 +78,8 @@ class RunConfig:
                                 "frozen student, and export them as an adapter folder (0: train the whole model)",
                              metavar="R")
     lora_alpha: float = setting(32.0, "LoRA's scale numerator: a weight's update is alpha / rank · A B")
+    lora_layers: tuple[int, ...] = setting((), "the student's layers that get LoRA adapters (the upper ones spare "
+                                           "the backward pass below them; empty: every layer)", metavar="I")
     # schedule
     updates: int = setting(250, "optimizer updates (distillation; ActionOPD: collection steps); SFT: --steps")
     batch_size: int = setting(64, "turn-level samples per update")
@@ -150,6 +152,15 @@ class RunConfig:
                              "initialised student trains whole (lora_rank 0)")
         if self.lora_rank and not self.lora_alpha > 0:
             raise ValueError(f"{name}.lora_alpha must be > 0, got {self.lora_alpha!r}")
+        lora_layers = tuple(self.lora_layers)
+        object.__setattr__(self, "lora_layers", lora_layers)
+        if lora_layers:
+            if not self.lora_rank:
+                raise ValueError(f"{name}.lora_layers places LoRA adapters; set lora_rank too")
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in lora_layers) \
+                    or list(lora_layers) != sorted(set(lora_layers)):
+                raise ValueError(f"{name}.lora_layers must be increasing layer indices, each once, got "
+                                 f"{list(lora_layers)}")
         layers = tuple(self.student_layers)
         object.__setattr__(self, "student_layers", layers)
         if layers and (self.student is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
@@ -239,7 +250,7 @@ class RunConfig:
         if not self.lora_rank:
             return None
         from jaxopd.models.lora import LoraConfig
-        return LoraConfig(rank=self.lora_rank, alpha=float(self.lora_alpha))
+        return LoraConfig(rank=self.lora_rank, alpha=float(self.lora_alpha), layers=tuple(self.lora_layers) or None)
 
     @property
     def resolved_eval_split(self) -> str:

@@ -6,9 +6,11 @@ Owns ``exact_reverse_kl``: for held-out turn-level samples (e.g. walkthrough tur
 every supervised position c (the response positions, teacher-forced), at a given temperature, averaged over
 positions. Both models run a dense forward; only the supervised positions are projected onto the vocabulary.
 
-Owns ``top_k_agreement`` too: on the same states, how much of that KL the ``opd-exact`` loss's top-K form
-(``losses.top_k_reverse_kl``, the teacher's K most probable ids and the rest) keeps, and how closely its gradient
-with respect to the student's logits points where the exact one does.
+Owns ``response_nll`` too: a model's mean negative log-likelihood of those responses (how well it fits the answers
+themselves, e.g. which layers a student cut from its teacher should keep), and ``top_k_agreement``: on the same
+states, how much of that KL the ``opd-exact`` loss's top-K form (``losses.top_k_reverse_kl``, the teacher's K most
+probable ids and the rest) keeps, and how closely its gradient with respect to the student's logits points where the
+exact one does.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from jaxopd.models.decoder import dense_causal_attend
 from jaxopd.train.buffer import Sample, collate_samples
 from jaxopd.train.logprobs import supervised_order
 
-__all__ = ["exact_reverse_kl", "supervised_log_softmax", "top_k_agreement"]
+__all__ = ["exact_reverse_kl", "response_nll", "supervised_log_softmax", "top_k_agreement"]
 
 
 def supervised_log_softmax(graphdef, params, tokens, positions, attention_mask, order, temperature):
@@ -67,6 +69,33 @@ def exact_reverse_kl(student: tuple[nnx.GraphDef, nnx.State], teacher: tuple[nnx
         value, n = _batch_kl(student[0], student[1], teacher[0], teacher[1], jnp.asarray(batch.tokens),
                              jnp.asarray(batch.positions), jnp.asarray(batch.attention_mask),
                              jnp.asarray(batch.loss_mask), width=width, temperature=float(temperature))
+        total += float(value)
+        count += int(n)
+    return float(np.float64(total) / max(count, 1))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "width"))
+def _batch_nll(graphdef, params, tokens, positions, attention_mask, loss_mask, *, width: int):
+    order, valid = supervised_order(loss_mask, width)
+    logp = supervised_log_softmax(graphdef, params, tokens, positions, attention_mask, order, 1.0)
+    target = jnp.take_along_axis(tokens, order, axis=1)
+    token_logp = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
+    return -jnp.sum(jnp.where(valid, token_logp, 0.0)), jnp.sum(valid)
+
+
+def response_nll(model: tuple[nnx.GraphDef, nnx.State], samples: Sequence[Sample], *, batch_size: int = 8,
+                 length_multiple: int = 128) -> float:
+    """Mean negative log-likelihood (nats per token, temperature 1) of the supervised tokens of ``samples`` under
+    ``model`` (``(graphdef, params)``), teacher-forced."""
+    if not samples:
+        raise ValueError("response_nll needs at least one sample")
+    width = max(s.num_supervised for s in samples)
+    total, count = 0.0, 0
+    for start in range(0, len(samples), batch_size):
+        batch = collate_samples(samples[start:start + batch_size], batch_size=batch_size,
+                                length_multiple=length_multiple)
+        value, n = _batch_nll(model[0], model[1], jnp.asarray(batch.tokens), jnp.asarray(batch.positions),
+                              jnp.asarray(batch.attention_mask), jnp.asarray(batch.loss_mask), width=width)
         total += float(value)
         count += int(n)
     return float(np.float64(total) / max(count, 1))

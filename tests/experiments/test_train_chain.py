@@ -1,0 +1,58 @@
+"""``experiments.train_chain``: the whole chain (teacher, cut probe, student, the four methods, evaluations,
+divergence, comparison, report) on a micro base over a small ALFWorld tree with the ``smoke`` profile writes the
+summary the results page is built from, every model as an adapter folder that loads, and a second call finds every
+stage done and only rebuilds the report; bad input is one line and exit code 2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import train_chain
+
+KEYS = {"success", "success_std", "episodes"}
+METHOD_KEYS = KEYS | {"paired_delta", "paired_ci", "reverse_kl_before", "reverse_kl_after", "train_seconds", "updates"}
+
+
+def test_bad_input_is_refused(capsys, tmp_path):
+    assert train_chain.main(["--only", "nothing", "--work", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert "no such stage" in err and "teacher" in err and err.count("\n") == 1
+    assert train_chain.main(["--base", str(tmp_path / "missing"), "--work", str(tmp_path / "w")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_smoke_chain_runs_end_to_end_and_resumes(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("alfworld")
+    from jaxopd.models.folders import load_folder
+    from jaxopd_envs import alfworld_gen
+    from micro_models import TWO_LAYER, save_micro_pair
+
+    base, _ = save_micro_pair(tmp_path / "models", shape=TWO_LAYER)
+    root = alfworld_gen.ensure_games(tmp_path / "games", seed=0, counts={"train": 2, "valid_seen": 1,
+                                                                        "valid_unseen": 1}, workers=1, progress=False)
+    monkeypatch.setenv("ALFWORLD_DATA", str(root))
+    monkeypatch.setenv("JAXOPD_CACHE", str(tmp_path / "cache"))
+    results, work = tmp_path / "results", tmp_path / "work"
+    argv = ["--profile", "smoke", "--base", str(base), "--results", str(results), "--work", str(work)]
+    assert train_chain.main(argv) == 0
+    summary = json.loads((results / "summary.json").read_text())
+    assert KEYS <= set(summary["teacher"]) and KEYS <= set(summary["student"])
+    assert set(summary["methods"]) == set(train_chain.METHODS)
+    for method, entry in summary["methods"].items():
+        assert METHOD_KEYS <= set(entry), method
+        assert entry["episodes"] == 1 and 0.0 <= entry["success"] <= 1.0
+        assert entry["reverse_kl_before"] > 0 and entry["reverse_kl_after"] > 0
+    student = load_folder(results / "models" / "student")
+    assert student.config.num_layers == 1                       # cut to the probe's best layer
+    for name in ("teacher", *train_chain.METHODS):
+        assert (results / "models" / name / "adapter_config.json").is_file(), name
+        assert load_folder(results / "models" / name).config.num_layers == (2 if name == "teacher" else 1)
+    assert (results / "curves" / "success_vs_update.png").is_file()
+    assert "| actfirst |" in (results / "summary.md").read_text()
+    capsys.readouterr()
+    assert train_chain.main(argv) == 0                          # everything done: only the report is rebuilt
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.endswith(": done") for line in lines) == len(train_chain.Chain(
+        train_chain.PROFILES["smoke"], results=results, work=work, base=str(base), progress=False).stages()) - 1
