@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from jaxopd import cli
+from jaxopd.train import distributed
 from jaxopd.cli import UsageError
 from jaxopd.machine import machine_info
 from jaxopd.methods.benchmarks import BenchmarkError, GeneratedCounts, resolve_source, subset
@@ -36,7 +37,7 @@ from jaxopd.methods.config import (METHODS, PRESETS, DistillConfig, RunConfig, S
 from jaxopd.methods.run_folder import Interrupted, RunFolderError, RunLock, check_resume
 
 RUN_FLAGS = ("config", "method", "preset", "out", "export", "steps", "export_at", "no_eval", "no_progress",
-             "phase_log")
+             "phase_log", "num_processes")
 """The flags that are not config fields (or, ``method`` and ``preset``, read before the config is built)."""
 
 
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a weaker student from the teacher's own run; repeatable)")
     p.add_argument("--no-eval", action="store_true", help="skip evaluation")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--num-processes", type=int, default=1, metavar="N",
+                   help="run as N local processes of one JAX cluster (CPU collectives; for trying and testing a "
+                        "multi-process run on one machine: synchronous rollouts, evaluation after training)")
     p.add_argument("--phase-log", default=None, metavar="FILE",
                    help="append one line 'PHASE UPDATE UNIX_TIME' whenever the loop enters rollout, step, checkpoint "
                         "or saved (for watchdogs; the kill-and-resume tests use it)")
@@ -141,11 +145,17 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                          "--method sft never enters them")
     if args.method == "sft" and args.steps is not None:
         overrides["updates"] = args.steps
+    if multiprocess_run(args) and args.method == "sft":
+        raise UsageError("--method sft runs in one process; --num-processes is for the distillation methods")
     if args.method != "sft" and getattr(args, "steps", None) is not None:
         raise UsageError("--steps counts SFT steps; a distillation run's length is --updates")
     with cli.usage_errors(ValueError):
         config = build_config(args.method, preset=args.preset, **overrides)
-        evaluate = not getattr(args, "no_eval", False)
+        asynchronous = getattr(config, "rollout_mode", "sync") != "sync" and config.method != "actionopd"
+        if multiprocess_run(args) and asynchronous:
+            raise UsageError("a multi-process run plays synchronous waves: add --rollout-mode sync (asynchronous "
+                             "runners are single-process for now)")
+        evaluate = not getattr(args, "no_eval", False) and not multiprocess_run(args)
         check_task_source(config, evaluate=evaluate)
         student_config = None if config.student is None else Path(config.student).expanduser() / "config.json"
         top_k = getattr(config, "exact_top_k", None)          # distillation only
@@ -337,7 +347,10 @@ def _run_locked(config: RunConfig, args: argparse.Namespace, out: Path, source: 
         from jaxopd.methods.loop import Trainer
         holder: dict[str, Any] = {}
         evaluator = None
-        if not args.no_eval:
+        if multiprocess_run(args) and not args.no_eval:
+            print("a multi-process run evaluates after training: python -m experiments.evaluate --student on its "
+                  "--export", flush=True)
+        elif not args.no_eval:
             divergence = held_out_divergence(config, source, tokenizer, student, teacher, lambda: holder["trainer"])
             evaluator = make_evaluator(config, source, tokenizer, out, progress, divergence=divergence)
         trainer = Trainer(config, student=student, teacher=teacher, tokenizer=tokenizer, source=source, out_dir=out,
@@ -347,6 +360,8 @@ def _run_locked(config: RunConfig, args: argparse.Namespace, out: Path, source: 
         if args.export:
             make_exporter(config, student, tokenizer)(trainer.learner, Path(args.export))
             summary["export"] = args.export
+    if not distributed.is_primary():     # process 0 writes the run's files
+        return summary
     summary.update({"command": " ".join([sys.executable.split("/")[-1], "-m", "experiments.train", *sys.argv[1:]]),
                     "config": config.to_dict(), "machine": machine_info(), "source": source.describe(),
                     "elapsed_s": time.time() - started})
@@ -425,11 +440,15 @@ def make_exporter(config: RunConfig, student: Any, tokenizer: Any):
         from jaxopd.tokenizer import save_tokenizer
         if learner.lora is None:
             from jaxopd.methods.sft import save_whole_model
-            save_whole_model(learner, folder)
-            save_tokenizer(tokenizer, folder)
+            save_whole_model(learner, folder)       # gathers the weights: every process of a multi-process run
+            if distributed.is_primary():
+                save_tokenizer(tokenizer, folder)
             return
         from jaxopd.models.folders import save_adapted
-        save_adapted(folder, learner.adapters(), learner.lora, base=config.student, model_config=student.config,
+        adapters = learner.adapters()
+        if not distributed.is_primary():
+            return
+        save_adapted(folder, adapters, learner.lora, base=config.student, model_config=student.config,
                      tokenizer=tokenizer, layers=config.student_layers or None)
 
     return export
@@ -464,8 +483,26 @@ def plot_history(out: Path) -> None:
         plot_learning_curves(history, out)
 
 
+def multiprocess_run(args: argparse.Namespace) -> bool:
+    """Whether this command runs as one of several processes (``--num-processes N > 1``, or ``JAXOPD_*`` set by a
+    launcher or by the user on each host)."""
+    return getattr(args, "num_processes", 1) > 1 or int(os.environ.get(distributed.ENV_NUM_PROCESSES, "1") or 1) > 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if args.num_processes < 1:
+        return cli.report(f"--num-processes must be at least 1, got {args.num_processes}")
+    if args.num_processes > 1 and not os.environ.get(distributed.ENV_NUM_PROCESSES):
+        if args.method == "sft":
+            return cli.report("--method sft runs in one process; --num-processes is for the distillation methods")
+        from jaxopd.launch import launch_local
+        return launch_local([sys.executable, "-m", "experiments.train", *argv], args.num_processes)
+    try:
+        distributed.initialize(distributed.DistributedConfig.from_env())     # before any other JAX call
+    except ValueError as error:
+        return cli.report(error)
 
     def body() -> int:
         try:

@@ -42,6 +42,7 @@ from jaxopd.rollout.scoring import EngineTeacherScorer
 from jaxopd.rollout.trajectory import Trajectory, rollout_quality
 from jaxopd.sampler.engine import Engine, EngineConfig
 from jaxopd.sample import Sample
+from jaxopd.train import distributed
 from jaxopd.train.buffer import SampleBuffer
 from jaxopd.train.learner import Learner
 from jaxopd.train.state import OptimizerConfig
@@ -93,6 +94,18 @@ class Trainer:
         self.method = registry.make_method(config)
         if config.method == "sft":
             raise ValueError("the sft method trains on walkthroughs: use jaxopd.methods.sft.train_sft")
+        # multi-process (jaxopd.train.distributed): every process plays its share of each wave and holds the same
+        # buffer; process 0 alone writes the folder's files, logs and shows progress
+        self.primary = distributed.is_primary()
+        if distributed.is_multiprocess():
+            if config.rollout_mode != "sync" and not self.method.trains_in_collections:
+                raise ValueError("a multi-process run plays synchronous waves: use "
+                                 "--rollout-mode sync (asynchronous runners are single-process for now)")
+            if evaluate is not None:
+                raise ValueError("a multi-process run evaluates after training (python -m experiments.evaluate on "
+                                 "its export); in-training evaluation is single-process")
+            if not self.primary:
+                progress, tensorboard, log = False, False, (lambda message: None)
         if teacher is None and (self.method.uses_teacher_engine or self.method.loss_config().needs_teacher_logp):
             raise ValueError(f"{config.method} needs a teacher model")
         if teacher is not None and teacher.config.vocab_size != student.config.vocab_size:
@@ -196,7 +209,7 @@ class Trainer:
         """The config checked and saved, the learner restored (or fresh), the engines started with its weights,
         the method's strategy and sample source; returns the sample buffer (a resumed run's own)."""
         config, method = self.config, self.method
-        check_and_save_config(self.out_dir, config)
+        check_and_save_config(self.out_dir, config, write=self.primary)
         self.log(f"run config ({config.method} on {config.benchmark}, preset {config.preset}):\n{config.describe()}")
         loss_config = method.loss_config()
         self.learner = Learner(self.student, loss_config,
@@ -231,7 +244,8 @@ class Trainer:
         self._pool = EnvPool(self.source.env_factory, config.rollout_slots)
         # every record after the restored update (or after update 0 of a run that never wrote a checkpoint) was
         # written by a run that stopped before saving it, and will be written again
-        self._writer = MetricsWriter(self.out_dir, tensorboard=self._tensorboard, resume_step=version)
+        self._writer = (MetricsWriter(self.out_dir, tensorboard=self._tensorboard, resume_step=version) if self.primary
+                        else _NoWriter())
         self.engine.start()
         if self.teacher_engine is not None:
             self.teacher_engine.start()
@@ -292,6 +306,9 @@ class Trainer:
         """After SIGINT / SIGTERM: a checkpoint of the state, the buffer and the task cursor (episodes in flight
         are replayed on resume), then ``Interrupted``."""
         signum = self._interruption.signum
+        if distributed.is_multiprocess():       # all processes stop at the same point, each with a checkpoint part
+            signals = [s for s in distributed.allgather_objects(signum) if s is not None]
+            signum = signum if signum is not None else (signals[0] if signals else None)
         if signum is not None:
             self._save(buffer, version, wall_start)
             raise Interrupted(signum, version)
@@ -344,3 +361,13 @@ class Trainer:
         if wall_s is None:
             self.samples.resume()
         return time.perf_counter() - t0
+
+
+class _NoWriter:
+    """The metrics writer of a multi-process run's other processes: process 0 writes the run's records."""
+
+    def write(self, kind: str, step: int, values: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -43,6 +43,13 @@ _held: dict[str, list[Any]] = {}            # resolved folder -> [open lock file
 _held_lock = threading.Lock()
 
 
+def lock_file_name() -> str:
+    """``.lock``; in a multi-process run (``JAXOPD_PROCESS_ID`` set, ``jaxopd.train.distributed``) process p > 0 holds
+    ``.lock.<p>``: one process of each index per folder."""
+    process = os.environ.get("JAXOPD_PROCESS_ID", "").strip()
+    return LOCK_FILE if process in ("", "0") else f"{LOCK_FILE}.{process}"
+
+
 class RunLock:
     """Holds ``<folder>/.lock`` for this process (re-entrant within it); ``RunFolderError`` naming the pid that
     holds it otherwise. The lock is the kernel's: it goes with the process, however that ends."""
@@ -59,7 +66,7 @@ class RunLock:
                 entry[1] += 1
                 return self
             self.folder.mkdir(parents=True, exist_ok=True)
-            handle = open(self.folder / LOCK_FILE, "a+")
+            handle = open(self.folder / lock_file_name(), "a+")
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -190,10 +197,12 @@ def save_config(folder: str | os.PathLike, config: Any) -> None:
     os.replace(tmp, path)
 
 
-def check_and_save_config(folder: str | os.PathLike, config: Any) -> int | None:
-    """``check_resume`` then ``save_config``; returns the step a run resumes from (None: fresh)."""
+def check_and_save_config(folder: str | os.PathLike, config: Any, *, write: bool = True) -> int | None:
+    """``check_resume`` then ``save_config`` (unless ``write`` is False: a multi-process run's other processes only
+    check); returns the step a run resumes from (None: fresh)."""
     step = check_resume(folder, config)
-    save_config(folder, config)
+    if write:
+        save_config(folder, config)
     return step
 
 

@@ -86,9 +86,13 @@ def train_sft(model: CausalLM, samples: Sequence[Sample], out_dir: str | os.Path
 
 
 def save_whole_model(learner: Learner, folder: Path) -> None:
-    """The default export: the model with the current weights as a Hugging Face folder."""
+    """The default export: the model with the current weights as a Hugging Face folder (in a multi-process run every
+    process gathers the weights, process 0 writes them)."""
     from jaxopd.models.weights import save_model
-    save_model(learner.model(), folder)
+    from jaxopd.train.distributed import is_primary
+    model = learner.model()
+    if is_primary():
+        save_model(model, folder)
 
 
 def _train(learner: Learner, dataset: SFTDataset, out_dir: Path, interruption: Any, *, steps: int,

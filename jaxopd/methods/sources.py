@@ -248,9 +248,7 @@ class SyncWaves(SampleSource):
         order, failed episodes logged and left out."""
         if not picks:
             return []
-        references = {task.task_id: reference for task, reference, _ in picks if reference is not None}
-        outcomes = self.strategy.play([task for task, _, _ in picks], references,
-                                      seeds=[seed for _, _, seed in picks])
+        outcomes = play_share(self.strategy, picks)
         for outcome in outcomes:
             if not outcome.ok:
                 self.tasks.fail(outcome.task.task_id, outcome.error)
@@ -261,6 +259,27 @@ class SyncWaves(SampleSource):
 
     def _no_samples(self) -> str:
         return f"; last failure: {self.tasks.last_failure}"
+
+
+def play_share(strategy: Any, picks: Sequence[tuple[Task, Any, int]]) -> list[Any]:
+    """The outcomes of ``picks`` in pick order. In a multi-process run (``jaxopd.train.distributed``) process p of P
+    plays picks p, p + P, … on its own engine and environments, and the outcomes are all-gathered, so that every
+    process holds the whole wave, as one process would have played it (each request's sampling seed is its task's
+    and turn's, not its engine's)."""
+    import jax
+
+    from jaxopd.train import distributed
+
+    count, index = jax.process_count(), jax.process_index()
+    mine = list(picks[index::count]) if count > 1 else list(picks)
+    outcomes: list[Any] = []
+    if mine:
+        references = {task.task_id: reference for task, reference, _ in mine if reference is not None}
+        outcomes = list(strategy.play([task for task, _, _ in mine], references, seeds=[seed for _, _, seed in mine]))
+    if count == 1:
+        return outcomes
+    shares = distributed.allgather_objects(outcomes)
+    return [shares[i % count][i // count] for i in range(len(picks))]
 
 
 class Collections(SyncWaves):

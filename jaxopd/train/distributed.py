@@ -29,6 +29,10 @@ ENV_NUM_PROCESSES = "JAXOPD_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXOPD_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS = "JAXOPD_LOCAL_DEVICE_IDS"
 """Optional: comma-separated ids of the local devices this process uses (e.g. ``0,1``)."""
+ENV_HEARTBEAT_TIMEOUT = "JAXOPD_HEARTBEAT_TIMEOUT"
+"""Optional: seconds without a heartbeat after which JAX's coordinator declares a process lost and the others stop
+(default ``DEFAULT_HEARTBEAT_TIMEOUT_S``; JAX's own default is 100)."""
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -43,12 +47,15 @@ class DistributedConfig:
     num_processes: how many processes take part (>= 1).
     process_id: this process's index, ``0 <= process_id < num_processes``; process 0 is the primary.
     local_device_ids: optional ids of the local devices this process drives (None: all of them).
+    heartbeat_timeout_s: seconds without a heartbeat before the coordinator declares a process lost and the other
+      processes stop with an error naming it.
     """
 
     coordinator_address: str | None
     num_processes: int
     process_id: int
     local_device_ids: tuple[int, ...] | None = None
+    heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S
 
     def __post_init__(self):
         for name in ("num_processes", "process_id"):
@@ -58,6 +65,10 @@ class DistributedConfig:
             object.__setattr__(self, name, int(value))
         if self.num_processes < 1:
             raise ValueError(f"DistributedConfig.num_processes must be >= 1, got {self.num_processes}")
+        if isinstance(self.heartbeat_timeout_s, bool) or not isinstance(self.heartbeat_timeout_s, int) \
+                or self.heartbeat_timeout_s < 1:
+            raise ValueError(f"DistributedConfig.heartbeat_timeout_s must be a positive integer, got "
+                             f"{self.heartbeat_timeout_s!r}")
         if not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"DistributedConfig.process_id must lie in [0, num_processes={self.num_processes}), "
                              f"got {self.process_id}")
@@ -110,7 +121,9 @@ class DistributedConfig:
         else:
             parsed_ids = None
         coordinator = environ.get(ENV_COORDINATOR, "").strip() or None
-        return cls(coordinator, integer(ENV_NUM_PROCESSES), integer(ENV_PROCESS_ID), parsed_ids)
+        heartbeat = integer(ENV_HEARTBEAT_TIMEOUT) if environ.get(ENV_HEARTBEAT_TIMEOUT, "").strip() else \
+            DEFAULT_HEARTBEAT_TIMEOUT_S
+        return cls(coordinator, integer(ENV_NUM_PROCESSES), integer(ENV_PROCESS_ID), parsed_ids, heartbeat)
 
 
 def _check_address(address: Any) -> None:
@@ -147,7 +160,8 @@ def initialize(config: DistributedConfig | None) -> bool:
     jax.distributed.initialize(coordinator_address=config.coordinator_address,
                                num_processes=config.num_processes, process_id=config.process_id,
                                local_device_ids=(list(config.local_device_ids)
-                                                 if config.local_device_ids is not None else None))
+                                                 if config.local_device_ids is not None else None),
+                               heartbeat_timeout_seconds=config.heartbeat_timeout_s)
     _initialized_with = config
     return True
 
@@ -155,6 +169,36 @@ def initialize(config: DistributedConfig | None) -> bool:
 def is_primary() -> bool:
     """True on process 0 (the one that logs, writes checkpoints' metadata and results)."""
     return jax.process_index() == 0
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host objects between processes
+# ----------------------------------------------------------------------------------------------------------
+def allgather_objects(obj: Any) -> list[Any]:
+    """Every process's ``obj`` (any picklable host object), in process order, on every process: pickled to bytes and
+    all-gathered by JAX's own collectives (``multihost_utils.process_allgather``: first the lengths, then the bytes
+    padded to the longest). Every process must call it at the same point. One process: ``[obj]``."""
+    if not is_multiprocess():
+        return [obj]
+    import pickle
+
+    from jax.experimental import multihost_utils
+
+    payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.asarray([payload.size], np.int64))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:payload.size] = payload
+    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [pickle.loads(gathered[i, :int(n)].tobytes()) for i, n in enumerate(lengths)]
+
+
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` is true on any process (a collective: every process calls it at the same point)."""
+    return any(allgather_objects(bool(flag)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -256,5 +300,6 @@ def _replicated_like(sharding: Any) -> Any:
     return NamedSharding(mesh, PartitionSpec(), memory_kind=sharding.memory_kind)
 
 
-__all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "ENV_LOCAL_DEVICE_IDS",
-           "DistributedConfig", "initialize", "is_primary", "process_local_rows", "global_batch", "host_params"]
+__all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "ENV_LOCAL_DEVICE_IDS", "ENV_HEARTBEAT_TIMEOUT",
+           "DistributedConfig", "initialize", "is_primary", "is_multiprocess", "allgather_objects", "any_process",
+           "process_local_rows", "global_batch", "host_params"]

@@ -3,13 +3,20 @@
 Owns the train state on the trainer mesh and the one compiled step over it, the teacher's scorer and parameters on
 the teacher mesh (when the loss reads teacher log-probs), turning samples into a padded batch on the trainer mesh,
 the run's checkpoints (state, sample buffer, metadata) and pushing the current weights to a rollout engine.
+
+Multi-process (``jaxopd.train.distributed``): the trainer mesh spans every process, the teacher and rollout meshes
+are each process's own (``build_process_meshes``); every process holds the same host batch, scores its own rows on
+its own teacher and contributes them to the global batch, and gathers the updated weights for its own engine.
 """
 from __future__ import annotations
 
 import os
 from typing import Any, Callable, Mapping, Sequence
 
+import dataclasses
+
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxopd.models.decoder import CausalLM
@@ -18,7 +25,8 @@ from jaxopd.models.sharding import copy_to, named_shardings
 from jaxopd.train.buffer import Sample, SampleBuffer, TrainBatch, collate_samples
 from jaxopd.train.checkpoint import RestoredRun, TrainCheckpointer
 from jaxopd.train.logprobs import check_supervised_fit
-from jaxopd.train.mesh import RoleMeshes, RolePlan, build_meshes
+from jaxopd.train import distributed
+from jaxopd.train.mesh import RoleMeshes, build_process_meshes
 from jaxopd.train.scoring import make_teacher_scorer, score_batch
 from jaxopd.train.state import (OptimizerConfig, TrainState, abstract_train_state, batch_shardings, init_train_state,
                                 make_optimizer, place_batch, replicated, train_state_shardings)
@@ -51,7 +59,7 @@ class Learner:
         if loss.needs_teacher_logp and teacher is None:
             raise ValueError(f"the {loss.kind} loss reads the teacher's log-probabilities: give the Learner a teacher")
         self.loss_config, self.batch_size, self.max_train_tokens, self.log = loss, batch_size, max_train_tokens, log
-        self.meshes = meshes or build_meshes(RolePlan.for_device_count(len(jax.devices())))
+        self.meshes = meshes or build_process_meshes()
         self.graphdef, student_params = nnx.split(student, nnx.Param)
         self._model_params = student_params                 # the structure the rollout engine takes
         self._optimizer = make_optimizer(optimizer)
@@ -109,11 +117,29 @@ class Learner:
     def place(self, batch: TrainBatch) -> TrainBatch:
         """``batch`` on the trainer mesh, with the teacher's log-probs filled in (and ready) when the loss reads
         them."""
+        if distributed.is_multiprocess():
+            return self._place_global(batch)
         if self.scorer is None:
             return place_batch(batch, self.rows)
         batch = score_batch(self.scorer, self.teacher_params, batch, self.rows)
         jax.block_until_ready(batch.teacher_logp)
         return batch
+
+    def _place_global(self, batch: TrainBatch) -> TrainBatch:
+        """Multi-process ``place``: ``batch`` is the same host batch on every process; this process scores its own
+        rows of it on its own teacher mesh and contributes them to the global batch."""
+        rows = batch.shape[0]
+        mine = distributed.process_local_rows(rows, self.rows.tokens)
+        local = TrainBatch(**{f.name: np.asarray(getattr(batch, f.name))[mine] for f in dataclasses.fields(batch)})
+        if self.scorer is not None:
+            scores = self.scorer(self.teacher_params, local.tokens, local.positions, local.attention_mask,
+                                 local.loss_mask)
+            local = local.replace(teacher_logp=np.asarray(scores.logp))
+            if scores.dense_logp is not None:
+                local = local.replace(teacher_dense_logp=np.asarray(scores.dense_logp))
+            if scores.top_ids is not None:
+                local = local.replace(teacher_top_ids=np.asarray(scores.top_ids))
+        return distributed.global_batch(local, self.rows, rows)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer update on ``batch``; the policy version moves on by one. Returns the step's metrics."""
@@ -126,7 +152,10 @@ class Learner:
         """The current weights to a rollout engine (``engine.update_weights``), tagged with the version."""
         if self._sync is None:
             self._sync = WeightSync.for_mesh(self._model_params, self.meshes.rollout)
-        engine.update_weights(self._sync(self.model_params(), self.version).params, version=self.version)
+        params = self.model_params()
+        if distributed.is_multiprocess():       # the trainer's shards span processes: gathered by a collective
+            params = distributed.host_params(params)
+        engine.update_weights(self._sync(params, self.version).params, version=self.version)
 
     def save(self, buffer: SampleBuffer | None = None, metadata: Mapping[str, Any] | None = None) -> None:
         """A checkpoint of the current version: the state, ``buffer`` and ``metadata``."""
@@ -140,11 +169,15 @@ class Learner:
         """The current LoRA adapters on the host (``jaxopd.models.folders.save_adapted`` writes them)."""
         if self.lora is None:
             raise ValueError("this Learner trains the whole model (no LoRA adapters)")
+        if distributed.is_multiprocess():
+            return distributed.host_params(self.state.params)
         return jax.device_get(self.state.params)
 
     def model(self) -> CausalLM:
         """The student with the current weights, on the host."""
-        return nnx.merge(self.graphdef, jax.device_get(self.model_params()))
+        params = self.model_params()
+        return nnx.merge(self.graphdef, distributed.host_params(params) if distributed.is_multiprocess()
+                         else jax.device_get(params))
 
     def close(self) -> None:
         self.checkpointer.close()

@@ -134,4 +134,27 @@ def build_meshes(plan: RolePlan, devices: Sequence[jax.Device] | None = None) ->
     return RoleMeshes(plan=plan, **meshes)
 
 
-__all__ = ["ROLES", "MESH_AXES", "RoleSpec", "RolePlan", "RoleMeshes", "role_mesh", "build_meshes"]
+def build_process_meshes(plan: RolePlan | None = None) -> RoleMeshes:
+    """The meshes of this process in a multi-process run: ``plan`` (default ``RolePlan.for_device_count`` of the
+    local devices) splits this process's devices as on one host; the teacher and rollout meshes are this process's
+    own, and the trainer mesh takes the trainer devices of every process (the same local positions on each, the
+    processes in order along the data axis), so one train step spans all processes. One process: ``build_meshes``."""
+    if jax.process_count() == 1:
+        return build_meshes(plan or RolePlan.for_device_count(len(jax.devices())))
+    local = list(jax.local_devices())
+    plan = plan or RolePlan.for_device_count(len(local))
+    mine = build_meshes(plan, local)
+    positions = [local.index(device) for device in mine.trainer.devices.flat]
+    per_process: dict[int, list[jax.Device]] = {}
+    for device in jax.devices():
+        per_process.setdefault(device.process_index, []).append(device)
+    if len({len(devices) for devices in per_process.values()}) != 1:
+        raise ValueError("build_process_meshes: the processes have different numbers of devices "
+                         f"({ {p: len(d) for p, d in sorted(per_process.items())} })")
+    trainer_devices = [per_process[p][i] for p in sorted(per_process) for i in positions]
+    trainer = role_mesh(trainer_devices, RoleSpec(len(trainer_devices), plan.trainer.tensor_parallel))
+    return RoleMeshes(mine.rollout, mine.teacher, trainer, plan)
+
+
+__all__ = ["ROLES", "MESH_AXES", "RoleSpec", "RolePlan", "RoleMeshes", "role_mesh", "build_meshes",
+           "build_process_meshes"]

@@ -4,7 +4,6 @@ cluster configuration, the per-process row split and the single-process forms of
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
+from jaxopd.launch import free_port
 from jaxopd.train import distributed
 from jaxopd.train.buffer import Sample, collate_samples
 from jaxopd.train.distributed import DistributedConfig, global_batch, host_params, process_local_rows
@@ -30,12 +30,6 @@ PROCESS_TIMEOUT_S = 240
 # ----------------------------------------------------------------------------------------------------------
 # Two processes against one
 # ----------------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
 def worker_env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXOPD_")}
     env.pop("XLA_FLAGS", None)          # conftest simulates 8 devices; each worker process has exactly one
