@@ -132,7 +132,7 @@ def test_held_out_divergence_reads_answers_in_the_configured_thinking(source):
         config = build_config("vanilla-opd", preset="cpu", eval_split="train", eval_tasks=1, sft_thinking=thinking)
         for name, model in (("same", teacher), ("other", student)):
             params = nnx.state(model, nnx.Param)
-            trainer = types.SimpleNamespace(state=types.SimpleNamespace(params=params))
+            trainer = types.SimpleNamespace(learner=types.SimpleNamespace(model_params=lambda params=params: params))
             values[thinking, name] = held_out_divergence(config, source, Qwen3Tokenizer(), model, teacher,
                                                          lambda trainer=trainer: trainer)()
     assert values["none", "same"] == pytest.approx(0.0, abs=1e-6)

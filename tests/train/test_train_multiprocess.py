@@ -110,6 +110,9 @@ def test_config_from_env():
     env = {"JAXOPD_COORDINATOR": "host0:1234", "JAXOPD_NUM_PROCESSES": "4", "JAXOPD_PROCESS_ID": "3"}
     assert DistributedConfig.from_env(env) == DistributedConfig("host0:1234", 4, 3)
     assert DistributedConfig.from_env({**env, "JAXOPD_LOCAL_DEVICE_IDS": "0,1"}).local_device_ids == (0, 1)
+    assert DistributedConfig.from_env({**env, "JAXOPD_HEARTBEAT_TIMEOUT": "12"}).heartbeat_timeout_s == 12
+    with pytest.raises(ValueError, match="heartbeat_timeout_s must be a positive integer"):
+        DistributedConfig.from_env({**env, "JAXOPD_HEARTBEAT_TIMEOUT": "0"})
     single = DistributedConfig.from_env({"JAXOPD_NUM_PROCESSES": "1", "JAXOPD_PROCESS_ID": "0"})
     assert single == DistributedConfig(None, 1, 0) and not single.is_multiprocess
 
@@ -154,7 +157,8 @@ def test_initialize_is_idempotent_and_skips_single_process(monkeypatch):
     assert calls == []
     config = DistributedConfig("localhost:1234", 2, 1, (0,))
     assert distributed.initialize(config) is True and distributed.initialize(config) is True
-    assert calls == [dict(coordinator_address="localhost:1234", num_processes=2, process_id=1, local_device_ids=[0])]
+    assert calls == [dict(coordinator_address="localhost:1234", num_processes=2, process_id=1, local_device_ids=[0],
+                          heartbeat_timeout_seconds=distributed.DEFAULT_HEARTBEAT_TIMEOUT_S)]
     with pytest.raises(ValueError, match="already initialised"):
         distributed.initialize(DistributedConfig("localhost:1234", 2, 0))
 
