@@ -14,6 +14,7 @@ absolute figures mean little here; how they grow with the count does.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -33,13 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default="results/bench/multiprocess.json")
-    p.add_argument("--worker-out", default=None, help=argparse_hidden())
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)      # a worker process's result file
     return p.parse_args(argv)
-
-
-def argparse_hidden():
-    import argparse
-    return argparse.SUPPRESS
 
 
 class _Engine:

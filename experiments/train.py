@@ -286,16 +286,14 @@ def held_out_divergence(config: RunConfig, source: Any, tokenizer: Any, student:
     its own format."""
     from flax import nnx
 
-    from jaxopd.methods.benchmarks import references_for
+    from experiments.divergence import held_out_samples
     from jaxopd.methods.divergence import exact_reverse_kl
-    from jaxopd.methods.sft_data import walkthrough_samples
 
     if config.benchmark != "alfworld":
         return None
-    tasks = subset(source.tasks(config.resolved_eval_split), config.eval_tasks, seed=0)
-    references = references_for(source, tasks, workers=min(4, os.cpu_count() or 1), progress=False)
-    samples, _ = walkthrough_samples(references, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
-                                     thinking=config.sft_thinking)
+    samples = held_out_samples(source, config.resolved_eval_split, tokenizer, tasks=config.eval_tasks, modes=["full"],
+                               thinking=config.sft_thinking, max_prompt_tokens=config.max_prompt_tokens,
+                               progress=False)["full"]
     student_graphdef, _ = nnx.split(student, nnx.Param)
     teacher_pair = nnx.split(teacher, nnx.Param)
 
