@@ -25,7 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from jaxopd import cli
 from jaxopd.train import distributed
@@ -487,6 +487,29 @@ def multiprocess_run(args: argparse.Namespace) -> bool:
     return getattr(args, "num_processes", 1) > 1 or int(os.environ.get(distributed.ENV_NUM_PROCESSES, "1") or 1) > 1
 
 
+EXIT_LOST_PEER = 75        # EX_TEMPFAIL: rerunning every process resumes the run
+
+
+def lost_peer(error: BaseException) -> NoReturn:
+    """A collective of a multi-process run failed (another process died or stopped answering): one line naming the
+    lost processes as JAX's coordinator sees them after its heartbeat timeout, then exit at once. A normal exit would
+    wait at JAX's shutdown barrier, which cannot pass without the lost process, and abort with a stack trace."""
+    import jax
+    count = jax.process_count()
+    live = distributed.live_processes(distributed.heartbeat_timeout_s() + 15)
+    if live is None:
+        who = f"a process of the {count} was lost or is stuck (the coordinator did not answer)"
+    else:
+        lost = [p for p in range(count) if p not in live]
+        who = (" and ".join(f"process {p} of {count}" for p in lost) + " was lost (no heartbeat)") if lost else \
+            f"all {count} processes are alive but a collective failed"
+    first = (str(error).strip().splitlines() or ["?"])[0][:300]
+    print(f"{who}; stopping process {jax.process_index()} ({first}). Rerun every process with the same command to "
+          "resume from the last checkpoint.", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_LOST_PEER)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -508,6 +531,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Interrupted as stop:        # SIGINT / SIGTERM: the checkpoint is written; one line, 128 + signal
             print(str(stop), file=sys.stderr, flush=True)
             return stop.exit_code
+        except Exception as error:
+            import jax
+            if distributed.is_multiprocess() and isinstance(error, jax.errors.JaxRuntimeError):
+                lost_peer(error)
+            raise
         print(json.dumps({k: v for k, v in summary.items() if k not in ("config", "machine")}, indent=2, default=str))
         return 0
 

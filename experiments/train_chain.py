@@ -11,10 +11,13 @@ same command line after a kill goes on where it stopped:
     <method>    experiments.train --method M from that student and teacher (vanilla-opd, actfirst, sti, actionopd),
                 LoRA adapters over the student, evaluated every few updates on held-out training games
                                                                                                 -> models/<method>
-    evaluate    experiments.evaluate of every model on valid_unseen x seeds 42, 43, 44
+    evaluate    experiments.evaluate of every model on valid_unseen x seeds 42, 43, 44 (the teacher and the
+                student right after the student stage, before the methods)
     divergence  experiments.divergence: exact reverse KL to the teacher on held-out states, before and after
     compare     experiments.compare_evals: each method against the student, paired
-    report      summary.json, README.md and the plots under --results
+    throughput  bench.env_throughput with the ActFirst-distilled student         -> bench/env_throughput.json
+    quality     bench.rollout_quality of every strategy, that student and the teacher -> bench/rollout_quality.json
+    report      summary.json, summary.md and the plots under --results
 
     python -m experiments.train_chain --results results/train --work runs/train_chain
     python -m experiments.train_chain --only teacher           # one stage (and nothing after it)
@@ -36,6 +39,7 @@ from jaxopd import cli
 
 BASE_MODEL = "smollm2-135m-instruct"
 METHODS = ("vanilla-opd", "actfirst", "sti", "actionopd")
+BENCH_STUDENT = "actfirst"     # the distilled student the rollout benchmarks play (it produces valid actions)
 TUNE_SPLIT = "valid_seen"       # held-out games of the training rooms: the budgets are tuned here, never on unseen
 EVAL_SPLIT = "valid_unseen"
 
@@ -64,6 +68,9 @@ class Recipe:
     curve_tasks: int = 12
     probe_states: int = 24
     divergence_tasks: int | None = None
+    bench_episodes: int = 16                # the rollout benchmarks' concurrent episodes (= tasks, one game each)
+    bench_max_turns: int = 20
+    bench_fast_tokens: int = 24             # ActFirst's action-only request limit in the benchmarks
     extra_sft: tuple[str, ...] = ()         # flags of the SFT runs (smoke: fewer games)
     extra_method: tuple[str, ...] = ()      # flags of the distillation runs (smoke: short turns, small batches)
 
@@ -76,7 +83,7 @@ PROFILES: dict[str, Recipe] = {
                     student_steps=1, student_lr=1e-3, method_updates=1, method_lr=1e-4, method_lora_top=1,
                     lora_rank=2, sft_batch=2, eval_seeds=(42,), eval_tasks=1, eval_max_turns=2,
                     think_tokens=(8, 12), max_prompt_tokens=1024, curve_every=1, curve_tasks=1, probe_states=2,
-                    divergence_tasks=1,
+                    divergence_tasks=1, bench_episodes=2, bench_max_turns=2, bench_fast_tokens=8,
                     extra_sft=("--train-tasks", "2"),
                     extra_method=("--train-tasks", "2", "--max-turns", "2", "--batch-size", "2",
                                  "--rollout-slots", "2", "--collection-tasks", "1", "--first-stage-tokens", "8",
@@ -191,6 +198,28 @@ class Chain:
         return [self._module("experiments.compare_evals", *evals, "--baseline", "student",
                              "--out", self.work / "compare")]
 
+    def bench_file(self, name: str) -> Path:
+        return self.results / "bench" / f"{name}.json"
+
+    def _bench_flags(self) -> list[Any]:
+        r = self.recipe
+        return ["--max-turns", r.bench_max_turns, "--full-tokens", r.think_tokens[1], "--fast-tokens",
+                r.bench_fast_tokens, "--max-prompt-tokens", r.max_prompt_tokens]
+
+    def throughput(self) -> list[list[str]]:
+        """ActFirst-OPD against vanilla OPD environment steps per second (App. C.5) with the distilled student."""
+        r = self.recipe
+        return [self._module("bench.env_throughput", "--weights", self.model(BENCH_STUDENT), "--episodes",
+                             r.bench_episodes, "--num-games", r.bench_episodes, *self._bench_flags(),
+                             "--out", self.bench_file("env_throughput"))]
+
+    def quality(self) -> list[list[str]]:
+        """App. C.5's successful yield and repetition of every strategy, the distilled student and the teacher."""
+        r = self.recipe
+        return [self._module("bench.rollout_quality", "--weights", self.model(BENCH_STUDENT), "--teacher-weights",
+                             self.model("teacher"), "--tasks", r.bench_episodes, *self._bench_flags(),
+                             "--out", self.bench_file("rollout_quality"))]
+
     # ------------------------------------------------------------------ stages
     def stages(self) -> list[Stage]:
         def exported(name):
@@ -199,16 +228,20 @@ class Chain:
         def evaluated(name):
             return lambda: (self.eval_dir(name) / "evaluation.json").is_file()
 
+        # the pair is evaluated before the methods run: a teacher below its target or a student too close to it
+        # shows before hours of distillation
         stages = [Stage("fetch", self.fetched, self.fetch),
                   Stage("teacher", exported("teacher"), self.teacher),
                   Stage("cut", lambda: (self.work / "cut_layers" / "cut_layers.json").is_file(), self.cut),
                   Stage("student", exported("student"), self.student)]
+        stages += [Stage(f"evaluate-{n}", evaluated(n), lambda n=n: self.evaluate(n)) for n in ("teacher", "student")]
         stages += [Stage(m, exported(m), lambda m=m: self.method(m)) for m in METHODS]
-        stages += [Stage(f"evaluate-{n}", evaluated(n), lambda n=n: self.evaluate(n))
-                   for n in ("teacher", "student", *METHODS)]
+        stages += [Stage(f"evaluate-{n}", evaluated(n), lambda n=n: self.evaluate(n)) for n in METHODS]
         stages += [Stage("divergence", lambda: (self.work / "divergence" / "divergence.json").is_file(),
                          self.divergence),
                    Stage("compare", lambda: (self.work / "compare" / "compare.json").is_file(), self.compare),
+                   Stage("throughput", lambda: self.bench_file("env_throughput").is_file(), self.throughput),
+                   Stage("quality", lambda: self.bench_file("rollout_quality").is_file(), self.quality),
                    Stage("report", lambda: False, lambda: [])]
         return stages
 
@@ -306,6 +339,9 @@ def summary_of(chain: Chain) -> dict[str, Any]:
             entry["action_sources"] = sources
         out["methods"][method] = entry
     out["actfirst_vs_vanilla"] = speed_comparison(runs)
+    out["env_throughput"] = throughput_of(_read(chain.bench_file("env_throughput")))
+    quality = _read(chain.bench_file("rollout_quality"))
+    out["rollout_quality"] = None if quality is None else quality["rows"]
     out["stage_seconds"] = _read(chain.work / "timings.json") or {}
     return out
 
@@ -326,6 +362,17 @@ def speed_comparison(runs: dict[str, Any]) -> dict[str, Any] | None:
     return {"vanilla_final_success": target, "vanilla_train_s": vanilla_s, "actfirst_time_to_it_s": reached,
             "ratio": None if not reached else vanilla_s / reached, "paper_ratios": list(PAPER_SPEEDUPS),
             "curve_split": vanilla.get("eval_split")}
+
+
+def throughput_of(bench: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``bench.env_throughput``'s figures against the paper's 3.65 -> 5.68 steps per second (1.56x)."""
+    if bench is None:
+        return None
+    summary = bench["summary"]
+    return {"vanilla_steps_per_s": summary["vanilla"]["steps_per_s"],
+            "actfirst_steps_per_s": summary["actfirst"]["steps_per_s"], "ratio": summary["ratio"],
+            "valid_action_rate": {k: summary[k]["valid_action_rate"] for k in ("vanilla", "actfirst")},
+            "paper": {k: bench["paper"][k] for k in ("vanilla_steps_per_s", "actfirst_steps_per_s", "ratio")}}
 
 
 def action_sources(path: Path) -> dict[str, float]:
@@ -366,6 +413,27 @@ def summary_table(summary: dict[str, Any]) -> str:
         seconds = "" if entry.get("train_seconds") is None else f"{entry['train_seconds']:.0f}"
         lines.append(f"| {name} | {success} | {entry['episodes']} | {delta} | {p} | {kl} | {seconds} | "
                      f"{entry.get('updates') or ''} |")
+    speed = summary.get("actfirst_vs_vanilla")
+    if speed:
+        ratio = "not reached" if speed["ratio"] is None else f"{speed['ratio']:.2f}x"
+        lines += ["", f"ActFirst-OPD to vanilla OPD's final held-out success ({_pct(speed['vanilla_final_success'])} "
+                      f"% on {speed['curve_split']}): {ratio} less training time (the paper: "
+                      f"{', '.join(f'{r}x' for r in speed['paper_ratios'])})."]
+    throughput = summary.get("env_throughput")
+    if throughput:
+        paper = throughput["paper"]
+        lines += ["", f"Environment steps per second, vanilla → ActFirst: {throughput['vanilla_steps_per_s']:.2f} → "
+                      f"{throughput['actfirst_steps_per_s']:.2f} ({throughput['ratio']:.2f}x; the paper: "
+                      f"{paper['vanilla_steps_per_s']} → {paper['actfirst_steps_per_s']}, {paper['ratio']}x)."]
+    quality = summary.get("rollout_quality")
+    if quality:
+        lines += ["", "| strategy | successful yield | repeat % | valid actions % | won / tasks | mean turns |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for row in quality:
+            yield_ = "—" if row["successful_yield"] is None else f"{row['successful_yield']:.3f}"
+            lines.append(f"| {row['strategy']} | {yield_} | {row['repeat_percent']:.1f} | "
+                         f"{_pct(row['valid_action_rate'])} | {row['won']} / {row['tasks']} | "
+                         f"{row['mean_turns']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

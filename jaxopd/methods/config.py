@@ -329,6 +329,9 @@ class DistillConfig(RunConfig):
     rollout_backlog: int | None = setting(None, "async: samples the runners may keep ahead of the trainer (default: "
                                           "batch size x (max version lag + 1)); 0: no bound, runners never pause",
                                           metavar="SAMPLES")
+    sync_check: bool = setting(False, "after each weight sync, every rollout engine decodes the greedy first token "
+                               "of the batch's first prompt; the run stops if the engines disagree or serve another "
+                               "version (logged as sync_check_token / sync_check_logprob)")
     clip_eps: float = setting(0.2, "the surrogate's ratio clip")
     dual_clip: float = setting(3.0, "the surrogate's dual clip (> 1)")
     loss: str | None = setting(None, "the loss instead of the method's own; opd-exact: vanilla OPD's reverse KL "
@@ -541,7 +544,7 @@ _PRESET_KEEPS_METHOD = {"sft": {"learning_rate", "batch_size"}}
 _NOT_A_PAPER_SETTING = {"method", "preset", "student", "teacher", "student_model_preset", "teacher_model_preset",
                         "games", "generated_train_games", "seed", "checkpoint_every", "keep_checkpoints",
                         "logits_chunk_size", "max_supervised_tokens", "page_size", "prefix_sharing", "eval_every",
-                        "eval_split", "advantage_logp", "sft_thinking"}
+                        "eval_split", "advantage_logp", "sft_thinking", "sync_check"}
 _METHOD_ONLY_FIELDS = {"collection_tasks": "actionopd", "num_candidates": "actionopd",
                        "num_teacher_samples": "actionopd", "match_bonus_scale": "actionopd",
                        "teacher_temperature": "actionopd", "teacher_top_p": "actionopd",

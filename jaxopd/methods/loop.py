@@ -41,6 +41,7 @@ from jaxopd.models.decoder import CausalLM
 from jaxopd.rollout.scoring import EngineTeacherScorer
 from jaxopd.rollout.trajectory import Trajectory, rollout_quality
 from jaxopd.sampler.engine import Engine, EngineConfig
+from jaxopd.sampler.types import Request, SamplingParams
 from jaxopd.sample import Sample
 from jaxopd.train import distributed
 from jaxopd.train.buffer import SampleBuffer
@@ -176,6 +177,8 @@ class Trainer:
                 learner.push(self.engine)
                 self.strategy.policy_version = version
                 timings["sync_s"] = time.perf_counter() - t0
+                if getattr(config, "sync_check", False):
+                    timings.update(self._check_sync(samples[0], version))
                 source.taken(buffer, version)       # the batch left the buffer, and the version moved on
                 # 5. metrics, evaluation
                 record = {**metrics, **timings, **self._batch_stats(samples, host_batch, version),
@@ -312,6 +315,27 @@ class Trainer:
         if signum is not None:
             self._save(buffer, version, wall_start)
             raise Interrupted(signum, version)
+
+    def _check_sync(self, sample: Sample, version: int) -> dict[str, Any]:
+        """``--sync-check``: the rollout engine decodes the greedy first token of ``sample``'s context (every process
+        its own engine, the results all-gathered). ``RuntimeError`` when the engines' tokens differ or one still
+        serves another version than ``version``; else the token and its log-probability for the metrics."""
+        context = [int(t) for t in sample.tokens[:int(np.argmax(np.asarray(sample.loss_mask)))]]
+        probe = Request(prompt_ids=context, params=SamplingParams(max_new_tokens=1, temperature=0.0),
+                        request_id=f"sync-check-{version}")
+        result = self.engine.submit(probe).result()
+        if result.error is not None:
+            raise RuntimeError(f"weight sync check after update {version}: the probe request failed: {result.error}")
+        mine = (int(result.token_ids[0]), float(result.logprobs[0]), result.policy_versions)
+        everyone = distributed.allgather_objects(mine) if distributed.is_multiprocess() else [mine]
+        stale = [p for p, (_, _, versions) in enumerate(everyone) if versions is not None
+                 and tuple(versions) != (version, version)]
+        if stale or len({token for token, _, _ in everyone}) > 1:
+            raise RuntimeError(f"weight sync check after update {version}: the rollout engines' greedy first tokens "
+                               f"are {[t for t, _, _ in everyone]} and their versions "
+                               f"{[v for _, _, v in everyone]} (process order); expected one token at version "
+                               f"{version} on every engine")
+        return {"sync_check_token": everyone[0][0], "sync_check_logprob": everyone[0][1]}
 
     @staticmethod
     def _batch_stats(samples: Sequence[Sample], batch: Any, version: int) -> dict[str, float]:

@@ -166,6 +166,11 @@ def initialize(config: DistributedConfig | None) -> bool:
     return True
 
 
+def heartbeat_timeout_s() -> int:
+    """The heartbeat timeout this process joined the cluster with (``DEFAULT_HEARTBEAT_TIMEOUT_S`` before)."""
+    return DEFAULT_HEARTBEAT_TIMEOUT_S if _initialized_with is None else _initialized_with.heartbeat_timeout_s
+
+
 def is_primary() -> bool:
     """True on process 0 (the one that logs, writes checkpoints' metadata and results)."""
     return jax.process_index() == 0
@@ -194,6 +199,32 @@ def allgather_objects(obj: Any) -> list[Any]:
     padded[:payload.size] = payload
     gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
     return [pickle.loads(gathered[i, :int(n)].tobytes()) for i, n in enumerate(lengths)]
+
+
+def live_processes(timeout_s: float) -> list[int] | None:
+    """The processes JAX's coordination service still counts as alive, after a failed collective: it answers once
+    every live process has asked (a process that stopped sending heartbeats is dropped after the heartbeat timeout),
+    so call it on every process that survived. ``None`` when no answer came within ``timeout_s`` seconds (a process
+    still running but stuck elsewhere) or the coordinator itself is gone (process 0 hosts it)."""
+    import threading
+
+    from jax._src import distributed as jax_distributed       # the client has no public accessor in JAX 0.10
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        return None
+    answer: list[list[int] | None] = [None]
+
+    def ask() -> None:
+        try:
+            answer[0] = sorted(client.get_live_nodes(list(range(jax.process_count()))))
+        except Exception:       # noqa: BLE001 - the coordinator is gone: no answer
+            answer[0] = None
+
+    thread = threading.Thread(target=ask, name="jaxopd-live-processes", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return answer[0]
 
 
 def any_process(flag: bool) -> bool:
@@ -302,4 +333,5 @@ def _replicated_like(sharding: Any) -> Any:
 
 __all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "ENV_LOCAL_DEVICE_IDS", "ENV_HEARTBEAT_TIMEOUT",
            "DistributedConfig", "initialize", "is_primary", "is_multiprocess", "allgather_objects", "any_process",
+           "live_processes", "heartbeat_timeout_s",
            "process_local_rows", "global_batch", "host_params"]

@@ -44,6 +44,8 @@ def test_the_smoke_chain_runs_end_to_end_and_resumes(tmp_path, monkeypatch, caps
         assert METHOD_KEYS <= set(entry), method
         assert entry["episodes"] == 1 and 0.0 <= entry["success"] <= 1.0
         assert entry["reverse_kl_before"] > 0 and entry["reverse_kl_after"] > 0
+    assert summary["env_throughput"]["ratio"] > 0 and summary["env_throughput"]["paper"]["ratio"] == 1.56
+    assert [row["strategy"] for row in summary["rollout_quality"]] == ["vanilla", "actfirst", "sti", "actionopd"]
     student = load_folder(results / "models" / "student")
     assert student.config.num_layers == 1                       # cut to the probe's best layer
     for name in ("teacher", *train_chain.METHODS):

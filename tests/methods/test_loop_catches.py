@@ -182,6 +182,57 @@ def test_a_checkpointed_batch_rescored_and_restepped_gives_the_logged_loss(token
     assert again["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
 
 
+# ------------------------------------------------------------------------------------- the weight sync check
+def test_the_sync_check_token_is_the_new_weights_greedy_token_of_the_batchs_first_context(tokenizer, tmp_path):
+    from jaxopd.train.checkpoint import TrainCheckpointer
+    from jaxopd.train.state import abstract_train_state
+
+    out = tmp_path / "run"
+    config, records = run_trainer("vanilla-opd", out, tokenizer, teacher_seed=1, sync_check=True)
+    logged = {r["step"]: r for r in records}
+    parts = LoopParts(config, micro(0), micro(1))
+    with TrainCheckpointer(out / "checkpoints") as checkpointer:      # update 1's checkpoint holds update 2's batch
+        restored = checkpointer.restore(abstract_train_state(parts.params, parts.optimizer, parts.state_shardings),
+                                        step=1)
+    samples = restored.buffer.take(config.batch_size, 1)
+    state, _ = parts.step(restored.state, samples)                  # the weights of update 2, recomputed
+    context = samples[0].tokens[:int(np.argmax(samples[0].loss_mask))]
+    logits = nnx.merge(parts.graphdef, state.params)(jnp.asarray(context[None]))[0, -1]
+    logp = np.asarray(jax.nn.log_softmax(logits))
+    assert logged[2]["sync_check_token"] == int(np.argmax(logp))
+    assert logged[2]["sync_check_logprob"] == pytest.approx(float(logp.max()), abs=1e-4)
+    assert {"sync_check_token", "sync_check_logprob"} <= logged[1].keys()
+
+
+class _Probe:
+    """An engine that answers every request with token 7 at version ``served``."""
+
+    def __init__(self, served):
+        self.served = served
+
+    def submit(self, request):
+        from concurrent.futures import Future
+        from jaxopd.sampler.types import Result, Timings
+        future = Future()
+        future.set_result(Result(request_id=request.request_id, kind="full", prompt_ids=tuple(request.prompt_ids),
+                                 token_ids=[7], text="", logprobs=np.array([-0.5], np.float32),
+                                 finish_reason="length", timings=Timings(0.0, 0.0, 0.0, 0.0),
+                                 policy_versions=(self.served, self.served)))
+        return future
+
+
+def test_the_sync_check_stops_a_run_whose_engine_serves_another_version():
+    from jaxopd.sample import Sample
+    sample = Sample(tokens=np.arange(6, dtype=np.int32), loss_mask=np.array([0, 0, 0, 1, 1, 1], bool),
+                    behavior_logp=np.zeros(6, np.float32), policy_version=2)
+    checker = Trainer.__new__(Trainer)
+    checker.engine = _Probe(served=3)
+    assert Trainer._check_sync(checker, sample, 3) == {"sync_check_token": 7, "sync_check_logprob": -0.5}
+    checker.engine = _Probe(served=2)
+    with pytest.raises(RuntimeError, match=r"weight sync check after update 3: .* versions \[\(2, 2\)\]"):
+        Trainer._check_sync(checker, sample, 3)
+
+
 # ----------------------------------------------------------------- sampled batches through the real engine, STI too
 def play(strategy, tasks, seeds):
     from jaxopd.rollout.trajectory import trajectory_samples

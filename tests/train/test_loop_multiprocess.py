@@ -1,8 +1,10 @@
 """The whole training loop as several processes of one JAX cluster (``python -m experiments.train --num-processes N``):
 in synchronous rollout mode, 2 processes of vanilla OPD and of ActFirst-OPD, and 4 of vanilla OPD, give the losses,
-gradient norms and exported weights of one process; a 2-process run resumed from its checkpoints continues with the
+gradient norms, exported weights and first greedy token after each weight sync (every engine's, checked equal by
+``--sync-check``) of one process; a 2-process run resumed from its checkpoints continues with the
 losses of the uninterrupted run; a process killed with SIGKILL makes the launcher stop the other within 60 s naming
-the lost process, and the relaunched pair continues from the last checkpoint with the same next loss. Micro models
+the lost process, and the relaunched pair continues from the last checkpoint with the same next loss; without the
+launcher, process 0 names the lost process 1 (JAX's heartbeat) and exits with 75. Micro models
 over a small ALFWorld tree; every process has one CPU device."""
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["--preset", "cpu", "--rollout-mode", "sync", "--batch-size", "4", "--rollout-slots", "2", "--train-tasks",
          "2", "--max-turns", "2", "--first-stage-tokens", "8", "--total-tokens", "12", "--second-stage-tokens", "4",
          "--fast-action-tokens", "8", "--no-eval", "--no-progress", "--learning-rate", "1e-3",
-         "--checkpoint-every", "2"]
+         "--checkpoint-every", "2", "--sync-check", "on"]
 RUN_TIMEOUT_S = 900
 
 
@@ -71,6 +73,9 @@ def assert_same_updates(mine, reference, updates):
         assert a["batch_tokens"] == b["batch_tokens"], (a["step"], a["batch_tokens"], b["batch_tokens"])
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-4, atol=1e-6, err_msg=f"update {a['step']}")
         np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-4, err_msg=f"update {a['step']}")
+        # every engine decoded the same first token after the sync (else the run stops), and it is one process's
+        assert a["sync_check_token"] == b["sync_check_token"], (a["step"], a["sync_check_token"], b["sync_check_token"])
+        np.testing.assert_allclose(a["sync_check_logprob"], b["sync_check_logprob"], atol=1e-4)
 
 
 @pytest.mark.parametrize("method, updates, processes", [("vanilla-opd", 5, 2), ("actfirst", 3, 2),
@@ -135,6 +140,40 @@ def test_a_killed_process_stops_the_other_and_the_pair_resumes(setting):
     run(setting, "vanilla-opd", out, "--updates", "5", "--num-processes", "2")
     resumed = records(out)
     assert_same_updates(resumed, records(reference), range(1, 6))
+
+
+def test_without_the_launcher_the_survivor_names_the_lost_process_and_the_pair_resumes(setting):
+    """One process per host, as on a cluster: JAX's coordinator (process 0) sees process 1 stop; process 0's failed
+    collective becomes one line naming it and exit code 75 (no abort at JAX's shutdown barrier)."""
+    reference = setting["folder"] / "vanilla-opd" / "two"
+    if not (reference / "train.jsonl").is_file():
+        pytest.skip("needs test_several_processes_train_like_one's 2-process vanilla OPD run")
+    from jaxopd.launch import free_port
+
+    out, phases = setting["folder"] / "no-launcher", setting["folder"] / "no-launcher.phases"
+    env = {**setting["env"], "JAXOPD_COORDINATOR": f"localhost:{free_port()}", "JAXOPD_NUM_PROCESSES": "2",
+           "JAXOPD_HEARTBEAT_TIMEOUT": "10"}
+    line = command(setting, "vanilla-opd", out, "--updates", "5", "--phase-log", str(phases))
+    processes = [subprocess.Popen(line, cwd=REPO, env={**env, "JAXOPD_PROCESS_ID": str(p)}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for p in range(2)]
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (phases.is_file() and "step 4 " in phases.read_text()):   # after the checkpoint of update 2
+            assert all(p.poll() is None for p in processes) and time.monotonic() < deadline, \
+                [p.communicate() for p in processes]
+            time.sleep(0.2)
+        killed_at = time.monotonic()
+        processes[1].kill()
+        _, err = processes[0].communicate(timeout=90)
+        assert time.monotonic() - killed_at < 60
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    assert processes[0].returncode == 75, err[-3000:]
+    assert "process 1 of 2 was lost (no heartbeat); stopping process 0" in err
+    run(setting, "vanilla-opd", out, "--updates", "5", "--num-processes", "2")
+    assert_same_updates(records(out), records(reference), range(1, 6))
 
 
 def test_asynchronous_runners_are_refused_before_anything_starts(setting, tmp_path):
