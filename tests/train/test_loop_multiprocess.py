@@ -1,5 +1,5 @@
 """The whole training loop as several processes of one JAX cluster (``python -m experiments.train --num-processes N``):
-in synchronous rollout mode, 2 processes of vanilla OPD and of ActFirst-OPD, and 4 of vanilla OPD, give the losses,
+in synchronous rollout mode, 2 and 4 processes of vanilla OPD and of ActFirst-OPD (5 updates) give the losses,
 gradient norms, exported weights and first greedy token after each weight sync (every engine's, checked equal by
 ``--sync-check``) of one process; a 2-process run resumed from its checkpoints continues with the
 losses of the uninterrupted run; a process killed with SIGKILL makes the launcher stop the other within 60 s naming
@@ -78,8 +78,8 @@ def assert_same_updates(mine, reference, updates):
         np.testing.assert_allclose(a["sync_check_logprob"], b["sync_check_logprob"], atol=1e-4)
 
 
-@pytest.mark.parametrize("method, updates, processes", [("vanilla-opd", 5, 2), ("actfirst", 3, 2),
-                                                        ("vanilla-opd", 3, 4)])
+@pytest.mark.parametrize("method, updates, processes", [("vanilla-opd", 5, 2), ("actfirst", 5, 2),
+                                                        ("vanilla-opd", 5, 4), ("actfirst", 5, 4)])
 def test_several_processes_train_like_one(setting, method, updates, processes):
     folder = setting["folder"] / method
     one, many = folder / f"one-{updates}", folder / ("two" if processes == 2 and updates == 5 else f"p{processes}")
