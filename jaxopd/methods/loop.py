@@ -177,7 +177,7 @@ class Trainer:
                 learner.push(self.engine)
                 self.strategy.policy_version = version
                 timings["sync_s"] = time.perf_counter() - t0
-                if getattr(config, "sync_check", False):
+                if config.sync_check:
                     timings.update(self._check_sync(samples[0], version))
                 source.taken(buffer, version)       # the batch left the buffer, and the version moved on
                 # 5. metrics, evaluation
