@@ -118,9 +118,9 @@ def build_model(model_name: str, weights: str | None, *, seed: int = 0):
     from flax import nnx
 
     from jaxopd.models.decoder import CausalLM, ModelConfig, count_params
-    from jaxopd.tokenizer import load_tokenizer
+    from jaxopd.models.folders import load_folder_tokenizer
 
-    tokenizer = load_tokenizer(weights)         # random weights: the offline Qwen3 tokenizer
+    tokenizer = load_folder_tokenizer(weights)         # random weights: the offline Qwen3 tokenizer
     if weights:
         from jaxopd.models.folders import load_folder      # a Hugging Face folder or an adapter folder over one
         model, name = load_folder(weights), Path(weights).name

@@ -86,7 +86,7 @@ def run(args) -> dict[str, Any]:
     from jaxopd.methods.benchmarks import BenchmarkError, resolve_source
     from jaxopd.methods.divergence import exact_reverse_kl, response_nll
     from jaxopd.models.folders import load_folder
-    from jaxopd.tokenizer import load_tokenizer
+    from jaxopd.models.folders import load_folder_tokenizer
 
     cli.check_checkpoint_folder("--teacher", args.teacher)
     models = parse_models(args.model)
@@ -102,7 +102,7 @@ def run(args) -> dict[str, Any]:
             raise cli.UsageError(f"{source.describe()} holds no {args.split} tasks")
     except (BenchmarkError, ValueError) as e:
         raise cli.UsageError(str(e)) from None
-    tokenizer = load_tokenizer(args.teacher)
+    tokenizer = load_folder_tokenizer(args.teacher)
     samples = held_out_samples(source, args.split, tokenizer, tasks=args.tasks, modes=args.modes,
                                thinking=args.thinking, max_prompt_tokens=args.max_prompt_tokens,
                                progress=not args.no_progress)

@@ -130,10 +130,10 @@ def check_options(options: EvalOptions) -> None:
         raise ValueError("give exactly one of --student DIR (a trained student) or --model-preset NAME (random "
                          "weights, smoke tests only)")
     if options.student is not None:
-        from jaxopd.tokenizer import check_tokenizer_files
+        from jaxopd.models.folders import check_folder_tokenizer
 
         cli.check_checkpoint_folder("--student", options.student)
-        check_tokenizer_files(options.student)          # a Llama folder carries its own tokenizer
+        check_folder_tokenizer(options.student)         # a Llama folder (or its base) carries its own tokenizer
     else:
         cli.check_random_preset("--model-preset", options.model_preset)
     if options.benchmark == "alfworld" and options.games != "generated":
@@ -332,7 +332,7 @@ def run_evaluation(options: EvalOptions, source: BenchmarkSource, *,
     """Run the evaluation and write its outputs into ``options.out``; returns what ``evaluation.json`` holds.
 
     The keyword arguments exist for tests: ``model_and_info`` replaces loading the model, ``engine_factory(model,
-    engine_config, tokenizer)`` replaces ``jaxopd.sampler.Engine``, ``tokenizer`` ``load_tokenizer``.
+    engine_config, tokenizer)`` replaces ``jaxopd.sampler.Engine``, ``tokenizer`` ``load_folder_tokenizer``.
     """
     from jaxopd.machine import machine_info
     from jaxopd_envs.pool import EnvPool
@@ -354,8 +354,8 @@ def run_evaluation(options: EvalOptions, source: BenchmarkSource, *,
 
     t = time.perf_counter()
     if tokenizer is None:
-        from jaxopd.tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(options.student)
+        from jaxopd.models.folders import load_folder_tokenizer
+        tokenizer = load_folder_tokenizer(options.student)
     model, model_info = model_and_info if model_and_info is not None else _load_model(options)
     timing["model_s"] = time.perf_counter() - t
     log(f"model: {model_info.get('name')} "

@@ -49,11 +49,11 @@ def run(args) -> int:
     from jaxopd.models.folders import load_folder
     from jaxopd.models.weights import CheckpointError
     from jaxopd.sampler import Engine, EngineConfig, Request, SamplingParams
-    from jaxopd.tokenizer import load_tokenizer
+    from jaxopd.models.folders import load_folder_tokenizer
 
     with cli.usage_errors(CheckpointError, ValueError):
         model = load_folder(folder)
-        tokenizer = load_tokenizer(folder)
+        tokenizer = load_folder_tokenizer(folder)
     messages = [[*([{"role": "system", "content": args.system}] if args.system else []),
                  {"role": "user", "content": prompt}] for prompt in prompts]
     encoded = [tokenizer.apply_chat_template(m, add_generation_prompt=True, enable_thinking=False, tokenize=True)

@@ -163,9 +163,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             check_exact_top_k(top_k, cli.checkpoint_vocab_size("--student", config.student),
                               f"the --student {config.student!r}")
         if config.student is None or (student_config is not None and student_config.is_file()):
-            from jaxopd.tokenizer import load_tokenizer     # a missing --student folder is check_paths' to report
+            from jaxopd.models.folders import load_folder_tokenizer  # a missing --student folder: check_paths'
             try:
-                tokenizer = load_tokenizer(config.student)
+                tokenizer = load_folder_tokenizer(config.student)
             except ValueError as error:
                 raise UsageError(f"--student {config.student!r}: {error}") from None
             check_prompt_fits(config, tokenizer, evaluate=evaluate)
@@ -206,12 +206,11 @@ def check_paths(config: RunConfig, args: argparse.Namespace) -> Path:
 def load_models(config: RunConfig):
     """The student and teacher (None for SFT) models, Qwen3 or Llama, and the tokenizer (the student folder's, or
     the offline Qwen3 one for a random-weight student)."""
-    from jaxopd.models.folders import load_or_init
+    from jaxopd.models.folders import load_folder_tokenizer, load_or_init
     from jaxopd.models.weights import CheckpointError
-    from jaxopd.tokenizer import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(config.student)
+        tokenizer = load_folder_tokenizer(config.student)
     except ValueError as error:
         raise UsageError(f"--student {config.student!r}: {error}") from None
 
@@ -433,7 +432,7 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
 def make_exporter(config: RunConfig, student: Any, tokenizer: Any):
     """``export(learner, folder)``: the trained student as a Hugging Face folder, or with ``--lora-rank`` as an
     adapter folder over ``--student`` (``jaxopd.models.folders.save_adapted``: a few MB, loaded by every command
-    like a model folder); the tokenizer goes with either (a Llama folder's own)."""
+    like a model folder, its tokenizer the base's); a whole model gets the tokenizer's files (a Llama folder's own)."""
     def export(learner: Any, folder: Path) -> None:
         from jaxopd.tokenizer import save_tokenizer
         if learner.lora is None:
@@ -447,7 +446,7 @@ def make_exporter(config: RunConfig, student: Any, tokenizer: Any):
         if not distributed.is_primary():
             return
         save_adapted(folder, adapters, learner.lora, base=config.student, model_config=student.config,
-                     tokenizer=tokenizer, layers=config.student_layers or None)
+                     layers=config.student_layers or None)
 
     return export
 

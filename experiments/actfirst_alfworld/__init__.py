@@ -344,8 +344,8 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
 
     The keyword arguments exist for tests: ``engine_factory(model, engine_config)`` replaces
     ``jaxopd.sampler.Engine``, ``model_and_info`` the model construction, ``context_set`` the context
-    loading and ``tokenizer`` the model's (``load_tokenizer(options.weights)``: the offline Qwen3 one for random
-    weights).
+    loading and ``tokenizer`` the model's (``load_folder_tokenizer(options.weights)``: the offline Qwen3 one for
+    random weights).
     """
     from . import report   # not at import: `python -m ...report` runs it
     preset = options.preset
@@ -369,8 +369,8 @@ def run_experiment(options: RunOptions, *, engine_factory: Callable[[Any, Any], 
 
     t = time.perf_counter()
     if tokenizer is None:
-        from jaxopd.tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(options.weights)
+        from jaxopd.models.folders import load_folder_tokenizer
+        tokenizer = load_folder_tokenizer(options.weights)
     contexts = tokenize_contexts(context_set, tokenizer, max_prompt_tokens=ALFWORLD_PROMPT_LIMIT)
     timed = contexts[:preset.num_batches * preset.tasks_per_batch]
     batches = make_batches(timed, preset.tasks_per_batch, preset.num_batches)
@@ -579,10 +579,10 @@ def check_model_choice(model: str, weights: str | None) -> None:
     """``--model`` names a preset that runs with random weights (when no weights are given: the offline Qwen3
     tokenizer's ids must fit it) and ``--weights`` is a Hugging Face folder."""
     if weights:
-        from jaxopd.tokenizer import check_tokenizer_files
+        from jaxopd.models.folders import check_folder_tokenizer
 
         cli.check_checkpoint_folder("--weights", weights)
-        check_tokenizer_files(weights)                  # a Llama folder carries its own tokenizer
+        check_folder_tokenizer(weights)                 # a Llama folder (or its base) carries its own tokenizer
         return
     cli.check_random_preset("--model", model)
 

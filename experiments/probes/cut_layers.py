@@ -66,7 +66,7 @@ def run(args) -> dict[str, Any]:
     from jaxopd.models.folders import load_folder
     from jaxopd.models.pretrained import resolve_model_dir
     from jaxopd.models.weights import cut_layers
-    from jaxopd.tokenizer import load_tokenizer
+    from jaxopd.models.folders import load_folder_tokenizer
 
     candidates = [parse_keep(spec) for spec in args.keep]
     if args.states < 1:
@@ -81,7 +81,7 @@ def run(args) -> dict[str, Any]:
     for keep in candidates:
         if keep[-1] >= base.config.num_layers:
             raise cli.UsageError(f"--keep names layer {keep[-1]}; {args.model} has {base.config.num_layers} layers")
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_folder_tokenizer(folder)
     source = resolve_source("alfworld", "auto", progress=not args.no_progress)
     tasks = source.tasks(TRAIN_SPLIT["alfworld"])
     references = references_for(source, tasks, workers=min(4, os.cpu_count() or 1), progress=not args.no_progress,

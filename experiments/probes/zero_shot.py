@@ -389,10 +389,10 @@ def run(args, folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from jaxopd.models.folders import load_folder
     from jaxopd.rollout.strategies.vanilla import VanillaStrategy
     from jaxopd.sampler import Engine, EngineConfig
-    from jaxopd.tokenizer import load_tokenizer
+    from jaxopd.models.folders import load_folder_tokenizer
 
     model = load_folder(folder)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_folder_tokenizer(folder)
     cfg = model.config
     config = rollout_config(args, cfg.max_position_embeddings)
     early_stop_tokens = early_stop_text_tokens(tokenizer)
@@ -461,13 +461,13 @@ def early_stop_text_tokens(tokenizer) -> int:
 def refresh(out: str | Path) -> dict[str, Any]:
     """Recompute ``summary.json``'s per-mode numbers and budget fields from ``examples.jsonl`` and write
     ``README.md`` again (after a change of the summary or the table; no generation)."""
-    from jaxopd.tokenizer import load_tokenizer
+    from jaxopd.models.folders import load_folder_tokenizer
 
     out = Path(out)
     result = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "examples.jsonl").read_text().splitlines() if line.strip()]
     s = result["settings"]
-    tokens = early_stop_text_tokens(load_tokenizer(result["model"]["folder"]))
+    tokens = early_stop_text_tokens(load_folder_tokenizer(result["model"]["folder"]))
     s["early_stop_text_tokens"] = tokens
     s["second_stage_room_tokens"] = s["total_tokens"] - s["first_stage_tokens"] - tokens
     examples = max(len(m["examples"]) for m in result["modes"].values())

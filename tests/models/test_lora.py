@@ -7,6 +7,7 @@ refused naming the problem."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -156,7 +157,8 @@ def test_bad_configs_and_folders_are_refused(base, tmp_path):
         load_folder(tmp_path / "c")
 
 
-def test_an_adapter_folder_over_an_adapter_folder_carries_config_and_tokenizer(base, tmp_path):
+def test_an_adapter_folder_over_an_adapter_folder_carries_config_and_takes_the_bases_tokenizer(base, tmp_path):
+    from jaxopd.models.folders import load_folder_tokenizer, tokenizer_folder
     from jaxopd.tokenizer import load_tokenizer
 
     folder, _ = base
@@ -166,13 +168,14 @@ def test_an_adapter_folder_over_an_adapter_folder_carries_config_and_tokenizer(b
     merged_student = load_folder(tmp_path / "student", dtype="float32")
     second = random_adapters(merged_student, seed=6)
     save_adapted(tmp_path / "distilled", second, CONFIG, base=tmp_path / "student",
-                 model_config=merged_student.config, tokenizer=load_tokenizer(None))
+                 model_config=merged_student.config)
     assert json.loads((tmp_path / "distilled" / "config.json").read_text())["num_hidden_layers"] == 1
     assert json.loads((tmp_path / "distilled" / "adapter_config.json").read_text())["base_model_name_or_path"] \
         == "../student"
     np.testing.assert_allclose(logits(load_folder(tmp_path / "distilled", dtype="float32")),
                                logits(merged_model(merged_student, second, CONFIG)), atol=1e-5)
-    assert load_tokenizer(tmp_path / "distilled").vocab_size == load_tokenizer(None).vocab_size
+    assert tokenizer_folder(tmp_path / "distilled").resolve() == Path(folder).resolve()   # through the student
+    assert load_folder_tokenizer(tmp_path / "distilled").vocab_size == load_tokenizer(None).vocab_size
     assert base_reference(folder) == str(folder)            # not a fetched catalogue model: a path
 
 

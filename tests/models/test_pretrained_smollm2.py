@@ -216,11 +216,15 @@ def test_an_adapter_folder_names_the_fetched_base_by_name(model, folder, tmp_pat
     config = LoraConfig(rank=2, alpha=4.0)
     adapters = init_adapters(nnx.state(student, nnx.Param), config, jax.random.key(0), num_layers=2)
     adapters = {k: {"a": v["a"], "b": v["b"] + 0.01} for k, v in adapters.items()}
-    save_adapted(tmp_path / "student", adapters, config, base=folder, model_config=student.config,
-                 tokenizer=load_tokenizer(folder), layers=[0, 29])
+    save_adapted(tmp_path / "student", adapters, config, base=folder, model_config=student.config, layers=[0, 29])
     assert json.loads((tmp_path / "student" / "adapter_config.json").read_text())["base_model_name_or_path"] == NAME
     tokens = jnp.asarray([[1, 504, 2483, 30, 2]], jnp.int32)
     np.testing.assert_allclose(np.asarray(load_folder(tmp_path / "student")(tokens)),
                                np.asarray(merged_model(student, adapters, config)(tokens)), atol=1e-4)
-    assert load_tokenizer(tmp_path / "student").encode("go to fridge 1") == \
-        load_tokenizer(folder).encode("go to fridge 1")
+    from jaxopd.models.folders import load_folder_tokenizer, tokenizer_folder
+    assert not (tmp_path / "student" / "tokenizer.json").exists()        # no copy of the base's 3.5 MB tokenizer
+    assert tokenizer_folder(tmp_path / "student") == folder
+    chat = [{"role": "user", "content": "go to fridge 1"}]
+    ours, base = load_folder_tokenizer(tmp_path / "student"), load_tokenizer(folder)
+    assert ours.encode("go to fridge 1") == base.encode("go to fridge 1")
+    assert ours.apply_chat_template(chat) == base.apply_chat_template(chat)
