@@ -389,6 +389,11 @@ def run_evaluation(options: EvalOptions, source: BenchmarkSource, *,
                                           progress=options.progress, benchmark=options.benchmark,
                                           split="+".join(options.splits), done=done, on_record=partial)
     timing["evaluation_s"] = time.perf_counter() - t
+    engine_stats = dict(getattr(engine, "stats", None) or {})
+    if engine_stats.get("prefill_padded_tokens"):
+        log(f"engine: {engine_stats['generated_tokens']:,} tokens generated, {engine_stats['prefill_tokens']:,} "
+            f"prefilled ({engine_stats['prefill_tokens'] / engine_stats['prefill_padded_tokens']:.0%} of the padded "
+            f"prefill shapes), {engine_stats['prefill_tokens_saved']:,} taken from shared prefixes", flush=True)
     summaries = [summarize([r for r in records if r.split == split], benchmark=options.benchmark, split=split)
                  for split in options.splits]
     if len(options.splits) > 1:
@@ -416,6 +421,7 @@ def run_evaluation(options: EvalOptions, source: BenchmarkSource, *,
         "rollout_config": dataclasses.asdict(rollout_config),
         "engine_config": dataclasses.asdict(engine_config) if dataclasses.is_dataclass(engine_config) else None,
         "slots": slots,
+        "engine_stats": engine_stats,       # this run's (a resumed evaluation: its episodes since the resume)
         "resumed_episodes": len(done),     # played by an earlier, killed run of this evaluation (not in timing_s)
         "departures": departures_from_paper(options, source, task_counts, available),
         "machine": machine_info(),
