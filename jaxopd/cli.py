@@ -88,11 +88,14 @@ def run_main(body: Callable[[], Any]) -> int:
             return cli.run_main(lambda: run(args))
 
     First, when ``JAXOPD_MALLOC_TUNING=1`` is set, it keeps the host allocator's freed memory
-    (``jaxopd.host_malloc.tune_malloc``: XLA on CPU otherwise faults each step's working set in again).
+    (``jaxopd.host_malloc.tune_malloc``: XLA on CPU otherwise faults each step's working set in again), and it turns
+    on JAX's persistent compilation cache (``jaxopd.compile_cache``; ``JAXOPD_COMPILE_CACHE=off`` leaves it off).
     """
+    from jaxopd.compile_cache import enable_compile_cache
     from jaxopd.host_malloc import tune_malloc
 
     tune_malloc()
+    enable_compile_cache()
     try:
         code = body()
     except UsageError as error:

@@ -11,6 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 os.environ.pop("JAXOPD_MALLOC_TUNING", None)    # glibc's defaults in the test session and the commands it starts
+os.environ["JAXOPD_COMPILE_CACHE"] = "off"      # no persistent compilation cache either (test_compile_cache's own)
 
 try:        # alfworld's import writes $ALFWORLD_DATA; import it once here the way envs does, which undoes that, so that
     from jaxopd_envs.alfworld_import import import_alfworld     # tests' own `importorskip("alfworld")` cannot
