@@ -203,7 +203,7 @@ def engine_config_for(options: EvalOptions):
 def sized_engine_config(slots: int, max_prompt_tokens: int, total_tokens: int, *, num_pages: int | None = None):
     """The engine of :func:`engine_config_for` from plain limits: ``slots`` sequences of at most ``max_prompt_tokens
     + total_tokens`` (+1) tokens each, whole pages, all resident at once unless ``num_pages`` says otherwise."""
-    from jaxopd.sampler import EngineConfig
+    from jaxopd.sampler import EngineConfig, fine_length_step
 
     longest = max_prompt_tokens + total_tokens + 1
     max_seq_len = math.ceil(longest / PAGE_SIZE) * PAGE_SIZE
@@ -212,7 +212,7 @@ def sized_engine_config(slots: int, max_prompt_tokens: int, total_tokens: int, *
     return EngineConfig(max_slots=slots, page_size=PAGE_SIZE,
                         num_pages=num_pages or slots * pages_per_seq + 1, max_seq_len=max_seq_len,
                         prefill_chunk=prefill_chunk, max_prefill_tokens=max(prefill_chunk, 8192),
-                        max_prefill_rows=4, scoring=False)
+                        max_prefill_rows=4, scoring=False, prefill_length_step=fine_length_step(prefill_chunk))
 
 
 def rollout_config_for(options: EvalOptions):

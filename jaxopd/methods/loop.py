@@ -40,7 +40,7 @@ from jaxopd.methods.sources import Counters, SampleSource, TaskStream, make_sour
 from jaxopd.models.decoder import CausalLM
 from jaxopd.rollout.scoring import EngineTeacherScorer
 from jaxopd.rollout.trajectory import Trajectory, rollout_quality
-from jaxopd.sampler.engine import Engine, EngineConfig
+from jaxopd.sampler.engine import Engine, EngineConfig, fine_length_step
 from jaxopd.sampler.types import Request, SamplingParams
 from jaxopd.sample import Sample
 from jaxopd.train import distributed
@@ -67,7 +67,8 @@ def engine_config_for(config: RunConfig, method: Method, *, scoring: bool = Fals
     chunk = min(512, max_seq_len)
     return EngineConfig(max_slots=slots, page_size=page, num_pages=pages + 1,
                         max_seq_len=max_seq_len, prefill_chunk=chunk, max_prefill_tokens=max(chunk, 1024),
-                        max_prefill_rows=4, prefix_sharing=config.prefix_sharing, scoring=scoring)
+                        max_prefill_rows=4, prefix_sharing=config.prefix_sharing, scoring=scoring,
+                        prefill_length_step=fine_length_step(chunk))
 
 
 class Trainer:

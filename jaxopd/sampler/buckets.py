@@ -55,11 +55,19 @@ class Buckets:
 
     @classmethod
     def make(cls, *, max_slots: int, max_seq_len: int, page_size: int, prefill_chunk: int,
-             max_prefill_tokens: int, max_prefill_rows: int) -> "Buckets":
+             max_prefill_tokens: int, max_prefill_rows: int, length_step: int | None = None) -> "Buckets":
+        """``length_step`` None: prefill lengths are powers of two (a 600-token prompt runs as 1,024) and rows
+        1, 4, 16, 64; a step: lengths are powers of two below it, then its multiples up to ``prefill_chunk``, and rows
+        every power of two (more shapes to compile, less padding to compute: see ``EngineConfig.prefill_length_step``).
+        """
         max_pages = math.ceil(max_seq_len / page_size)
         lengths = _powers_of_two(16, prefill_chunk) if prefill_chunk >= 16 else (prefill_chunk,)
+        if length_step is not None and length_step < prefill_chunk:
+            lengths = tuple(sorted({n for n in lengths if n < length_step}
+                                   | set(range(length_step, prefill_chunk, length_step)) | {prefill_chunk}))
         max_rows = max(1, min(max_prefill_rows, max_slots, max_prefill_tokens // lengths[0]))
-        rows = tuple(sorted({r for r in (1, 4, 16, 64) if r < max_rows} | {max_rows}))
+        row_choices = (1, 4, 16, 64) if length_step is None else _powers_of_two(1, max_rows)
+        rows = tuple(sorted({r for r in row_choices if r < max_rows} | {max_rows}))
         return cls(decode_rows=_powers_of_two(min(8, max_slots), max_slots),
                    decode_pages=_powers_of_two(min(4, max_pages), max_pages),
                    prefill_rows=rows, prefill_lengths=lengths, max_pages_per_seq=max_pages,

@@ -445,10 +445,12 @@ class RecordingSteps:
 
 
 @pytest.mark.slow  # heavier than the README's test run allows (run in CI: pytest -m slow)
-def test_default_config_uses_only_warmed_up_shapes(model):
+@pytest.mark.parametrize("length_step", [None, 128], ids=["powers-of-two", "length-step-128"])
+def test_default_config_uses_only_warmed_up_shapes(model, length_step):
     """Default ``EngineConfig``: 5 prompts of 40 tokens, 5 of 300 (old code: padded (16, 512) was used but
-    never warmed up, as 16 × 512 > max_prefill_tokens) and a random mix use only shapes warm-up compiled."""
-    config = EngineConfig()
+    never warmed up, as 16 × 512 > max_prefill_tokens) and a random mix use only shapes warm-up compiled; so does
+    the finer padding of ``prefill_length_step``."""
+    config = EngineConfig(prefill_length_step=length_step)
     engine = Engine(model, config)
     steps = RecordingSteps(engine)
     engine.warmup()
@@ -467,13 +469,27 @@ def test_default_config_uses_only_warmed_up_shapes(model):
         assert rows == 1 or rows * length <= config.max_prefill_tokens
 
 
-def test_buckets_shapes_are_the_image_of_the_padding_functions():
+@pytest.mark.parametrize("length_step", [None, 64, 100])
+def test_buckets_shapes_are_the_image_of_the_padding_functions(length_step):
     buckets = Buckets.make(max_slots=64, max_seq_len=4096, page_size=16, prefill_chunk=512,
-                           max_prefill_tokens=4096, max_prefill_rows=16)
+                           max_prefill_tokens=4096, max_prefill_rows=16, length_step=length_step)
     reachable = {buckets.prefill_shape(r, n) for r in range(1, 17) for n in range(1, 513)
                  if buckets.prefill_fits(r, n)}
     assert reachable == set(buckets.prefill_shapes())
     assert {buckets.decode_shape(r, p) for r in range(1, 65) for p in range(1, 257)} == set(buckets.decode_shapes())
+
+
+def test_a_length_step_pads_less():
+    """Powers of two pad a 600-token chunk to 1,024 and 2 rows to 4; a step of 128 pads them to 640 and 2."""
+    coarse, fine = (Buckets.make(max_slots=16, max_seq_len=1104, page_size=16, prefill_chunk=1024,
+                                 max_prefill_tokens=8192, max_prefill_rows=4, length_step=step) for step in (None, 128))
+    assert coarse.prefill_lengths == (16, 32, 64, 128, 256, 512, 1024) and coarse.prefill_rows == (1, 4)
+    assert fine.prefill_lengths == (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
+    assert fine.prefill_rows == (1, 2, 4)
+    assert coarse.prefill_shape(2, 600) == (4, 1024) and fine.prefill_shape(2, 600) == (2, 640)
+    assert fine.prefill_shape(1, 1000) == (1, 1024) and fine.prefill_shape(3, 129) == (4, 256)
+    with pytest.raises(ValueError, match="prefill_length_step must be a positive int"):
+        EngineConfig(prefill_length_step=0).validate()
 
 
 def test_no_recompilation_when_the_padded_batch_would_exceed_the_budget(real, model):

@@ -65,10 +65,12 @@ def assert_matches_dense(requests, results, dense_logits):
             assert res.token_ids == np.argmax(logits[n - 1:-1], axis=-1).tolist()
 
 
-@pytest.mark.parametrize("mixed_steps", [False, True], ids=["separate-steps", "mixed-steps"])
-def test_concurrent_mixed_requests_match_dense_recompute(model, dense_logits, mixed_steps):
+@pytest.mark.parametrize("mixed_steps,length_step", [(False, None), (True, None), (False, 48)],
+                         ids=["separate-steps", "mixed-steps", "length-step"])
+def test_concurrent_mixed_requests_match_dense_recompute(model, dense_logits, mixed_steps, length_step):
     requests = mixed_requests(28, seed=0)
-    with Engine(model, dataclasses.replace(ENGINE, mixed_steps=mixed_steps)) as engine:
+    config = dataclasses.replace(ENGINE, mixed_steps=mixed_steps, prefill_length_step=length_step)
+    with Engine(model, config) as engine:
         results = engine.generate(requests)
         assert engine.stats["prefill_steps"] > 0 and engine.stats["decode_steps"] > 0
         assert (engine.stats["mixed_steps"] > 0) == mixed_steps
