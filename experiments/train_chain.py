@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -42,6 +43,7 @@ METHODS = ("vanilla-opd", "actfirst", "sti", "actionopd")
 BENCH_STUDENT = "actfirst"     # the distilled student the rollout benchmarks play (it produces valid actions)
 TUNE_SPLIT = "valid_seen"       # held-out games of the training rooms: the budgets are tuned here, never on unseen
 EVAL_SPLIT = "valid_unseen"
+SFT_STAGES = ("teacher", "student")    # the children run with JAXOPD_MALLOC_TUNING=1 (jaxopd.host_malloc) but these
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,7 @@ class Recipe:
     eval_seeds: tuple[int, ...] = (42, 43, 44)
     eval_tasks: int | None = None           # None: all of valid_unseen
     eval_max_turns: int = 30
+    eval_slots: int = 24                    # concurrent episodes of an evaluation (a killed one replays at most these)
     think_tokens: tuple[int, int] = (48, 64)
     max_prompt_tokens: int = 1024
     curve_every: int = 10                   # updates between the methods' held-out evaluations
@@ -183,7 +186,7 @@ class Chain:
         return [self._module(
             "experiments.evaluate", "--student", self.model(name), "--split", EVAL_SPLIT, "--seeds", *r.eval_seeds,
             *tasks, "--max-turns", r.eval_max_turns, "--max-prompt-tokens", r.max_prompt_tokens,
-            "--think-tokens", *r.think_tokens, "--no-progress", "--out", self.eval_dir(name))]
+            "--think-tokens", *r.think_tokens, "--slots", r.eval_slots, "--no-progress", "--out", self.eval_dir(name))]
 
     def divergence(self) -> list[list[str]]:
         r = self.recipe
@@ -282,7 +285,10 @@ class Chain:
         with open(log, "a", encoding="utf-8") as handle:
             handle.write(f"\n$ {' '.join(command)}  # {datetime.datetime.now().isoformat(timespec='seconds')}\n")
             handle.flush()
-            code = subprocess.call(command, stdout=handle, stderr=subprocess.STDOUT)
+            env = dict(os.environ)
+            if stage not in SFT_STAGES:       # the SFT runs' changing shapes fragment a tuned heap (host_malloc)
+                env.setdefault("JAXOPD_MALLOC_TUNING", "1")
+            code = subprocess.call(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
         if code != 0:
             tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["?"]
             raise ChainError(f"stage {stage} failed (exit code {code}): {tail[0]} (whole log: {log})")
