@@ -84,6 +84,11 @@ CASES = [
     ("bench.rollout_quality", "teacher_vocabulary",
      ["--weights", "{student}", "--teacher-weights", "{teacher}", "--out", "{out}/r.json"], None,
      ["vocabulary", "400", "300", "--teacher-weights", "{teacher}"]),
+    # bench.prefill_padding
+    ("bench.prefill_padding", "checkpoint", ["--model", "{missing}", "--out", "{out}/r.json"], None,
+     ["--model", "{missing}", "no such folder"]),
+    ("bench.prefill_padding", "out", ["--model", "{student}", "--out", "{blocked}/r.json"], None,
+     ["--out", "{blocked}", "not writable"]),
     # bench.decode_attention
     ("bench.decode_attention", "preset", ["--backends", "laptop", "--out", "{out}/r.json"], None,
      ["--backends", "laptop"]),
@@ -118,7 +123,8 @@ def _places(tmp_path: Path, checkpoints: dict[str, str] | None) -> dict[str, str
 @pytest.mark.parametrize("command, fault, argv, env, fragments", CASES,
                          ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(CASES)])
 def test_bad_configuration_is_one_line_and_exit_code_2(command, fault, argv, env, fragments, tmp_path, request):
-    places = _places(tmp_path, request.getfixturevalue("checkpoints") if fault == "teacher_vocabulary" else None)
+    needs_checkpoints = fault == "teacher_vocabulary" or "{student}" in argv
+    places = _places(tmp_path, request.getfixturevalue("checkpoints") if needs_checkpoints else None)
     environment = {k: v for k, v in os.environ.items() if k != "ALFWORLD_DATA"}
     environment.update({k: v.format(**places) for k, v in (env or {}).items()})
     result = subprocess.run([sys.executable, "-m", command, *(a.format(**places) for a in argv)], cwd=ROOT,
@@ -146,7 +152,8 @@ def test_every_command_line_is_covered():
                 "bench.mixed_steps": {"preset", "out"},
                 "bench.env_pool": {"checkpoint", "out"}, "bench.env_throughput": {"checkpoint", "preset", "out"},
                 "bench.rollout_quality": {"checkpoint", "preset", "out", "teacher_vocabulary"},
-                "bench.decode_attention": {"preset", "out"}, "bench.soak": {"preset", "out", "alfworld_data"}}
+                "bench.decode_attention": {"preset", "out"}, "bench.soak": {"preset", "out", "alfworld_data"},
+                "bench.prefill_padding": {"checkpoint", "out"}}
     assert faults == expected
     bench = {f"bench.{p.stem}" for p in (ROOT / "bench").glob("*.py")
              if "__main__" in p.read_text() and p.stem not in ("__init__", "common")}
