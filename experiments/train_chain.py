@@ -176,7 +176,6 @@ class Chain:
             "experiments.train", "--method", method, "--preset", "cpu", "--student", self.model("student"),
             "--teacher", self.model("teacher"), "--lora-rank", r.lora_rank, "--lora-layers", *top,
             "--updates", r.method_updates, "--learning-rate", r.method_lr, "--sft-thinking", "plan",
-            "--remat-layers", "on",         # 16 rows of 1,152 tokens: more than 18 GB of activations without it
             "--eval-split", TUNE_SPLIT, "--eval-every", r.curve_every, "--eval-tasks", r.curve_tasks,
             "--eval-seeds", r.eval_seeds[0], *self._eval_flags(), "--no-progress", *r.extra_method,
             "--out", self.work / "runs" / method, "--export", self.model(method))]
