@@ -415,7 +415,7 @@ def run_sft(config: RunConfig, args: argparse.Namespace, source: Any, student: A
               learning_rate=config.learning_rate, weight_decay=config.weight_decay,
               max_grad_norm=config.max_grad_norm, lr_schedule=config.lr_schedule, seed=config.seed,
               max_train_tokens=config.max_train_tokens,
-              max_supervised_tokens=supervised, remat_layers=config.remat_layers,
+              max_supervised_tokens=supervised,
               group_by_length=config.sft_group_by_length,
               checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
               eval_every=config.eval_every, evaluate=evaluate, exports=exports, lora=config.lora_config(),

@@ -93,8 +93,6 @@ class RunConfig:
     weight_decay: float = setting(0.01, "AdamW weight decay")
     max_grad_norm: float = setting(1.0, "global gradient-norm clip")
     max_train_tokens: int = setting(16_384, "longest turn-level sample trained on (prompt + response)")
-    remat_layers: bool = setting(False, "recompute each decoder layer in the backward pass instead of keeping its "
-                                 "activations (memory of long rows, for a third more step compute)")
     # generation
     max_turns: int = setting(30, "turn limit of a training episode (SFT: of the searching expert)")
     max_prompt_tokens: int = setting(10_240, "prompt limit (App. B.2 truncates the history to it)")
@@ -545,8 +543,8 @@ _PRESET_KEEPS_METHOD = {"sft": {"learning_rate", "batch_size"}}
 # losses unchanged): ``departures_of`` does not compare them with the paper preset.
 _NOT_A_PAPER_SETTING = {"method", "preset", "student", "teacher", "student_model_preset", "teacher_model_preset",
                         "games", "generated_train_games", "seed", "checkpoint_every", "keep_checkpoints",
-                        "logits_chunk_size", "max_supervised_tokens", "remat_layers", "page_size", "prefix_sharing",
-                        "eval_every", "eval_split", "advantage_logp", "sft_thinking", "sync_check"}
+                        "logits_chunk_size", "max_supervised_tokens", "page_size", "prefix_sharing", "eval_every",
+                        "eval_split", "advantage_logp", "sft_thinking", "sync_check"}
 _METHOD_ONLY_FIELDS = {"collection_tasks": "actionopd", "num_candidates": "actionopd",
                        "num_teacher_samples": "actionopd", "match_bonus_scale": "actionopd",
                        "teacher_temperature": "actionopd", "teacher_top_p": "actionopd",

@@ -34,8 +34,7 @@ def sft_steps(num_samples: int, batch_size: int, epochs: float) -> int:
 
 def train_sft(model: CausalLM, samples: Sequence[Sample], out_dir: str | os.PathLike, *, steps: int, batch_size: int,
               learning_rate: float, weight_decay: float = 0.0, max_grad_norm: float = 1.0, seed: int = 0,
-              max_train_tokens: int = 2048, max_supervised_tokens: int | None = 64, remat_layers: bool = False,
-              lr_schedule: str = "constant",
+              max_train_tokens: int = 2048, max_supervised_tokens: int | None = 64, lr_schedule: str = "constant",
               group_by_length: int = 0, checkpoint_every: int = 50, keep_checkpoints: int = 3,
               eval_every: int = 0, evaluate: Callable[[CausalLM, int], Mapping[str, Any]] | None = None,
               exports: Mapping[int, str | os.PathLike] | None = None, run_config: Mapping[str, Any] | None = None,
@@ -71,8 +70,7 @@ def train_sft(model: CausalLM, samples: Sequence[Sample], out_dir: str | os.Path
         raise ValueError(f"export steps must lie in [1, {steps}], got {bad}")
     out_dir = Path(out_dir)
     with run_folder(out_dir) as interruption:
-        learner = Learner(model, LossConfig(kind="sft", temperature=1.0, max_supervised_tokens=max_supervised_tokens,
-                                            remat_layers=remat_layers),
+        learner = Learner(model, LossConfig(kind="sft", temperature=1.0, max_supervised_tokens=max_supervised_tokens),
                           OptimizerConfig(learning_rate=learning_rate, weight_decay=weight_decay,
                                           max_grad_norm=max_grad_norm, schedule=lr_schedule, decay_steps=steps,
                                           warmup_steps=steps // 20),

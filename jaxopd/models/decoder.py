@@ -6,20 +6,16 @@ code path. Owns the architecture (config presets, blocks, RoPE, RMSNorm, GQA att
 untied head) and one forward pass whose attention step is a pluggable function: the dense causal attention in
 this file serves training and scoring, and the sampler passes a paged-cache attention that writes the
 layer's keys/values into its pages. The model itself knows nothing of caches or sampling; the masked GQA
-softmax is ``jaxopd_kernels.dense.grouped_attention``, shared with the paged backends. Inside
-``rematerialized_layers()`` a cacheless forward pass recomputes each layer in the backward pass instead of keeping its
-activations (``jax.checkpoint`` per layer: the training step's memory for long rows).
+softmax is ``jaxopd_kernels.dense.grouped_attention``, shared with the paged backends.
 
 Parameters carry logical axis names in their ``axes`` metadata (``('embed', 'q_heads', 'head_dim')``, ...);
 ``jaxopd.models.sharding`` maps them onto a mesh.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,20 +24,6 @@ from flax import nnx
 from jaxopd_kernels.dense import grouped_attention
 
 Array = jax.Array
-
-_REMAT_LAYERS = contextvars.ContextVar("jaxopd_remat_layers", default=False)
-
-
-@contextlib.contextmanager
-def rematerialized_layers(enabled: bool = True) -> Iterator[None]:
-    """While tracing inside this block, ``CausalLM.hidden_states`` without a cache wraps every decoder layer in
-    ``jax.checkpoint``: its gradient keeps only the layer's input and recomputes the rest (the attention weights of a
-    [B, H, T, T] softmax above all). Same values and gradients; one more forward pass of the layers in the backward."""
-    token = _REMAT_LAYERS.set(bool(enabled))
-    try:
-        yield
-    finally:
-        _REMAT_LAYERS.reset(token)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -382,18 +364,9 @@ class CausalLM(nnx.Module):
         cfg = self.config
         x = jnp.take(self.embedding_vd[...], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
-        remat = cache is None and _REMAT_LAYERS.get()
         cache = list(cache) if cache is not None else [None] * cfg.num_layers
         for i, layer in enumerate(self.layers):
-            if remat:
-                layer_def, layer_state = nnx.split(layer)
-
-                def run_layer(state, x, i=i, layer_def=layer_def):
-                    return nnx.merge(layer_def, state)(i, x, cos, sin, attend, None)[0]
-
-                x = jax.checkpoint(run_layer)(layer_state, x)
-            else:
-                x, cache[i] = layer(i, x, cos, sin, attend, cache[i])
+            x, cache[i] = layer(i, x, cos, sin, attend, cache[i])
         return self.final_norm(x), cache
 
     def logits(self, hidden: Array, head_dv: Array | None = None) -> Array:

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from jaxopd import losses
-from jaxopd.models.decoder import CausalLM, dense_causal_attend, rematerialized_layers
+from jaxopd.models.decoder import CausalLM, dense_causal_attend
 from jaxopd.models.lora import LoraConfig, merge
 from jaxopd.models.logprobs import ROLLOUT_TEMPERATURE, effective_temperature, token_log_probs
 from jaxopd.train.buffer import TrainBatch
@@ -55,11 +55,7 @@ class LossConfig:
     with ``LossConfig.for_rollout(sampling_params, ...)``, and defaults to ``ROLLOUT_TEMPERATURE``, the
     default of ``SamplingParams.temperature``. ``logits_chunk_size`` computes the vocabulary
     projection in chunks of that many positions, rematerialised in the backward pass, so that
-    ``[B, T, V]`` logits never exist at once (None: in one piece). ``remat_layers`` recomputes each decoder layer
-    in the backward pass (``jaxopd.models.decoder.rematerialized_layers``) instead of keeping its activations: the
-    same gradient for a third more compute, and the step's memory no longer grows with the layers' attention
-    weights (16 rows of 1,152 tokens through SmolLM2's layers took more than 18 GiB without it).
-    ``max_supervised_tokens`` projects only
+    ``[B, T, V]`` logits never exist at once (None: in one piece). ``max_supervised_tokens`` projects only
     the positions that predict supervised tokens (at most that many per row, see
     :func:`supervised_log_probs`): the loss is the same, the vocabulary projection shrinks from every position
     to the responses (a turn-level sample is mostly prompt). A batch with a row of more supervised tokens is a
@@ -99,7 +95,6 @@ class LossConfig:
     temperature: float = ROLLOUT_TEMPERATURE
     logits_chunk_size: int | None = None
     max_supervised_tokens: int | None = None
-    remat_layers: bool = False
     context_lm_weight: float = 0.0
     context_vocab: tuple[int, ...] | None = None
     exact_top_k: int | None = None
@@ -234,11 +229,7 @@ def loss_from_log_probs(logp: jax.Array, batch: TrainBatch, config: LossConfig) 
 def batch_loss(params: nnx.State, graphdef: nnx.GraphDef, batch: TrainBatch, config: LossConfig
                ) -> tuple[jax.Array, Metrics]:
     """Loss and metrics of ``batch`` under the student ``params`` (a pure function: differentiate it)."""
-    with rematerialized_layers(config.remat_layers):
-        return _batch_loss(nnx.merge(graphdef, params), batch, config)
-
-
-def _batch_loss(model: CausalLM, batch: TrainBatch, config: LossConfig) -> tuple[jax.Array, Metrics]:
+    model = nnx.merge(graphdef, params)
     if config.context_lm_weight > 0:
         return _sft_with_context_loss(model, batch, config)
     if config.needs_teacher_dense:
