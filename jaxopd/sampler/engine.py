@@ -192,8 +192,8 @@ class Engine(EngineBase):
         self.stats = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "preemptions": 0,
                       "generated_tokens": 0, "errors": 0, "shared_pages": 0, "prefill_tokens_saved": 0,
                       "scored_tokens": 0, "mixed_steps": 0,
-                      # padding: the real tokens / rows of the steps against their padded shapes (the bucket cost)
-                      "prefill_tokens": 0, "prefill_padded_tokens": 0, "decode_rows": 0, "decode_padded_rows": 0}
+                      # the prefill steps' real tokens against their padded shapes (what the buckets cost)
+                      "prefill_tokens": 0, "prefill_padded_tokens": 0}
         self.scheduler.stats = self.stats        # the scheduler counts shared pages / prefill tokens saved
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -604,8 +604,6 @@ class Engine(EngineBase):
 
     def _decode_batch(self, run: "_DecodeRun", tokens: Any) -> DecodeBatch:
         b = run.buffers
-        self.stats["decode_rows"] += int(np.count_nonzero(b.active))
-        self.stats["decode_padded_rows"] += len(b.active)
         return DecodeBatch(tokens, b.positions[run.positions_index], b.page_tables[run.table_index], b.active,
                            b.sampling)
 

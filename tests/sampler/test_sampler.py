@@ -75,11 +75,10 @@ def test_concurrent_mixed_requests_match_dense_recompute(model, dense_logits, mi
         assert engine.stats["prefill_steps"] > 0 and engine.stats["decode_steps"] > 0
         assert (engine.stats["mixed_steps"] > 0) == mixed_steps
         stats = engine.stats
-    # every prompt token is prefilled once (no prefix shared here), padded to the buckets; decode rows likewise
+    # every prompt token is prefilled once (no prefix shared here), padded to the buckets
     assert stats["prefill_tokens_saved"] == 0
     assert stats["prefill_tokens"] == sum(len(r.prompt_ids) for r in requests)
     assert stats["prefill_padded_tokens"] >= stats["prefill_tokens"]
-    assert 0 < stats["decode_rows"] <= stats["decode_padded_rows"]
     assert {r.kind for r in results} == {"fast", "full"}
     assert max(len(r.prompt_ids) for r in results) > ENGINE.prefill_chunk   # chunked prefill happened
     assert_matches_dense(requests, results, dense_logits)
