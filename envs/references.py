@@ -546,7 +546,8 @@ class LazyReferences(MappingABC):
         self._cache_dir.mkdir(parents=True, exist_ok=True)
         self._options = _Options(shorten, max_trials, check_kind(kind), expert_max_turns)
         self._memo: dict[str, ReferenceTrajectory] = {}
-        self._lock = threading.Lock()           # the memo
+        self._building: set[str] = set()        # task ids whose build is under way (their cache file may be new)
+        self._lock = threading.Lock()           # the memo and the set above
         self._build_lock = threading.Lock()     # the environment, one build at a time
         self._env: TextEnv | None = None
         self.built = 0
@@ -569,34 +570,43 @@ class LazyReferences(MappingABC):
         fingerprint = self._options.fingerprint(task)
         reference = _cached(self._cache_dir, task_id, fingerprint)
         if reference is not None:
-            return self._remember(task_id, reference, built=False)
+            with self._lock:
+                if task_id in self._memo:
+                    return self._memo[task_id]
+                if task_id not in self._building:       # else: a file another thread is building right now; wait
+                    self._memo[task_id] = reference
+                    self.read += 1
+                    return reference
         with self._build_lock:
             with self._lock:
                 if task_id in self._memo:                # built by another thread meanwhile
                     return self._memo[task_id]
-            reason = _cached_failure(self._cache_dir, task_id, fingerprint)
-            if reason is None:
-                if self._env is None:
-                    self._env = self._env_factory()
-                _, reason = _build_and_save(self._env, task, str(self._cache_dir), self._options)
-                if reason is not None and _cached_failure(self._cache_dir, task_id, fingerprint) is None:
-                    self._close_env()      # an engine error (not recorded): the environment may be unusable
-            if reason is not None:
-                raise ReferenceBuildError(f"no reference for {task_id}: {reason}")
-            reference = _cached(self._cache_dir, task_id, fingerprint)
-            if reference is None:
-                raise ReferenceBuildError(f"{task_id}: reference missing from {str(self._cache_dir)!r} after building")
-            return self._remember(task_id, reference, built=True)
+                self._building.add(task_id)
+            try:
+                return self._build(task, fingerprint)
+            finally:
+                with self._lock:
+                    self._building.discard(task_id)
 
-    def _remember(self, task_id: str, reference: ReferenceTrajectory, *, built: bool) -> ReferenceTrajectory:
+    def _build(self, task: Task, fingerprint: str) -> ReferenceTrajectory:
+        """Build ``task``'s reference (the caller holds the build lock) and remember it as built here."""
+        task_id = task.task_id
+        reason = _cached_failure(self._cache_dir, task_id, fingerprint)
+        if reason is None:
+            if self._env is None:
+                self._env = self._env_factory()
+            _, reason = _build_and_save(self._env, task, str(self._cache_dir), self._options)
+            if reason is not None and _cached_failure(self._cache_dir, task_id, fingerprint) is None:
+                self._close_env()      # an engine error (not recorded): the environment may be unusable
+        if reason is not None:
+            raise ReferenceBuildError(f"no reference for {task_id}: {reason}")
+        reference = _cached(self._cache_dir, task_id, fingerprint)
+        if reference is None:
+            raise ReferenceBuildError(f"{task_id}: reference missing from {str(self._cache_dir)!r} after building")
         with self._lock:
-            if task_id not in self._memo:
-                self._memo[task_id] = reference
-                if built:
-                    self.built += 1
-                else:
-                    self.read += 1
-            return self._memo[task_id]
+            self._memo[task_id] = reference
+            self.built += 1
+            return reference
 
     def _close_env(self) -> None:
         env, self._env = self._env, None

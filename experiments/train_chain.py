@@ -177,7 +177,8 @@ class Chain:
             "--teacher", self.model("teacher"), "--lora-rank", r.lora_rank, "--lora-layers", *top,
             "--updates", r.method_updates, "--learning-rate", r.method_lr, "--sft-thinking", "plan",
             "--eval-split", TUNE_SPLIT, "--eval-every", r.curve_every, "--eval-tasks", r.curve_tasks,
-            "--eval-seeds", r.eval_seeds[0], *self._eval_flags(), "--no-progress", *r.extra_method,
+            "--eval-seeds", r.eval_seeds[0], *self._eval_flags(), "--remat-layers", "on", "--no-progress",
+            *r.extra_method,
             "--out", self.work / "runs" / method, "--export", self.model(method))]
 
     def evaluate(self, name: str) -> list[list[str]]:

@@ -76,7 +76,7 @@ class Method(abc.ABC):
         return LossConfig.for_rollout(self.rollout_config(), kind=c.loss or self.default_loss, clip_eps=c.clip_eps,
                                       dual_clip=c.dual_clip, logits_chunk_size=c.logits_chunk_size,
                                       max_supervised_tokens=c.max_supervised_tokens, exact_top_k=c.exact_top_k,
-                                      advantage_logp=c.advantage_logp)
+                                      advantage_logp=c.advantage_logp, remat_layers=c.remat_layers)
 
     def samples(self, trajectories: Sequence[Trajectory], *, collection_id: int = -1) -> list[Sample]:
         """The training samples of finished trajectories."""

@@ -346,6 +346,8 @@ class DistillConfig(RunConfig):
                                       metavar="K")
     logits_chunk_size: int | None = setting(1024, "positions per chunk of the step's logits (memory)")
     max_supervised_tokens: int | None = setting(None, "project only this many response positions in the step")
+    remat_layers: bool = setting(False, "recompute each layer's activations in the step's backward pass (the same "
+                                 "gradient for about one more forward pass; memory for larger batches)")
     first_stage_tokens: int = setting(384, "thinking budget's first stage (App. B.3)")
     fast_action_tokens: int = setting(512, "ActFirst-OPD: the fast action-only request's token limit")
     temperature: float = setting(1.0, "rollout sampling temperature")

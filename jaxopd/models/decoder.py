@@ -359,15 +359,45 @@ class CausalLM(nnx.Module):
             self.lm_head_dv = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
 
     def hidden_states(self, tokens: Array, positions: Array, attend: AttendFn,
-                      cache: Sequence[Any] | None = None) -> tuple[Array, list[Any]]:
-        """Final-normed hidden states ``[B, T, D]`` and the per-layer caches ``attend`` threaded through."""
+                      cache: Sequence[Any] | None = None, *, remat: bool = False) -> tuple[Array, list[Any]]:
+        """Final-normed hidden states ``[B, T, D]`` and the per-layer caches ``attend`` threaded through.
+
+        ``remat`` (training): the layers run as one ``lax.scan`` over their stacked parameters, each layer's body
+        rematerialised in the backward pass, so a gradient keeps one ``[B, T, D]`` input per layer instead of every
+        layer's activations (its dense ``[B, H, T, T]`` attention among them). The same values; threads no caches
+        (``cache`` must be None) and passes ``attend`` a traced layer index."""
         cfg = self.config
         x = jnp.take(self.embedding_vd[...], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        if remat:
+            if cache is not None:
+                raise ValueError("hidden_states(remat=True) is the training forward and threads no caches; "
+                                 "pass cache=None")
+            return self.final_norm(self._rematerialised_layers(x, cos, sin, attend)), [None] * cfg.num_layers
         cache = list(cache) if cache is not None else [None] * cfg.num_layers
         for i, layer in enumerate(self.layers):
             x, cache[i] = layer(i, x, cos, sin, attend, cache[i])
         return self.final_norm(x), cache
+
+    def _rematerialised_layers(self, x: Array, cos: Array, sin: Array, attend: AttendFn) -> Array:
+        """The layers over ``x`` as a ``lax.scan`` of a ``jax.checkpoint`` body over their stacked parameters."""
+        split = [nnx.split(layer) for layer in self.layers]
+        layer_def, first = split[0]
+        signature = jax.tree.structure(first), [(a.shape, a.dtype) for a in jax.tree.leaves(first)]
+        for i, (_, state) in enumerate(split[1:], start=1):
+            if (jax.tree.structure(state), [(a.shape, a.dtype) for a in jax.tree.leaves(state)]) != signature:
+                raise ValueError(f"hidden_states(remat=True) stacks the layers' parameters, but layer {i}'s differ "
+                                 "from layer 0's in structure, shape or dtype")
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(state for _, state in split))
+
+        @jax.checkpoint
+        def layer_step(h, xs):
+            index, state = xs
+            h, _ = nnx.merge(layer_def, state)(index, h, cos, sin, attend, None)
+            return h, None
+
+        x, _ = jax.lax.scan(layer_step, x, (jnp.arange(len(split), dtype=jnp.int32), stacked))
+        return x
 
     def logits(self, hidden: Array, head_dv: Array | None = None) -> Array:
         """float32 logits ``[..., V]`` of final hidden states ``[..., D]``.

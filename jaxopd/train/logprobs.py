@@ -17,13 +17,16 @@ from jaxopd.models.logprobs import ROLLOUT_TEMPERATURE, tempered_log_softmax, to
 
 
 def sequence_log_probs(model: CausalLM, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
-                       temperature: float = ROLLOUT_TEMPERATURE, logits_chunk_size: int | None = None) -> jax.Array:
+                       temperature: float = ROLLOUT_TEMPERATURE, logits_chunk_size: int | None = None, *,
+                       remat_layers: bool = False) -> jax.Array:
     """``[B, T]`` log-probability of each token given the tokens before it; position 0 (no context) is 0.
 
     With ``logits_chunk_size`` the vocabulary projection and log-softmax run over that many positions
-    at a time inside a rematerialised ``lax.map``.
+    at a time inside a rematerialised ``lax.map``; ``remat_layers`` rematerialises the layers likewise
+    (``CausalLM.hidden_states(remat=True)``).
     """
-    hidden, _ = model.hidden_states(tokens, positions, dense_causal_attend(positions, attention_mask))
+    hidden, _ = model.hidden_states(tokens, positions, dense_causal_attend(positions, attention_mask),
+                                    remat=remat_layers)
     hidden, targets = hidden[:, :-1], tokens[:, 1:]
     length = hidden.shape[1]
     if logits_chunk_size is None or logits_chunk_size >= length:
@@ -50,14 +53,15 @@ def sequence_log_probs(model: CausalLM, tokens: jax.Array, positions: jax.Array,
 
 def supervised_log_probs(model: CausalLM, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                          loss_mask: jax.Array, max_supervised_tokens: int,
-                         temperature: float = ROLLOUT_TEMPERATURE) -> jax.Array:
+                         temperature: float = ROLLOUT_TEMPERATURE, *, remat_layers: bool = False) -> jax.Array:
     """``sequence_log_probs`` on the supervised positions only (0 elsewhere): the first ``max_supervised_tokens``
     True entries of each row of ``loss_mask`` are gathered, projected onto the vocabulary and scattered back.
 
     Exact when no row has more supervised tokens than ``max_supervised_tokens`` (check on the host with
     :func:`check_supervised_fit`); further ones would read 0.
     """
-    hidden, _ = model.hidden_states(tokens, positions, dense_causal_attend(positions, attention_mask))
+    hidden, _ = model.hidden_states(tokens, positions, dense_causal_attend(positions, attention_mask),
+                                    remat=remat_layers)
     return supervised_from_hidden(model, hidden, tokens, loss_mask, max_supervised_tokens, temperature)
 
 

@@ -69,6 +69,11 @@ class LossConfig:
     the rest instead of its whole log-softmax, and trains :func:`jaxopd.losses.top_k_reverse_kl`, a lower bound of
     each state's KL: B·W·(2K + 1) numbers a batch instead of B·W·V (Qwen3's 151,936 ids: 1.2 GB at 16 × 128).
 
+    ``remat_layers`` runs the student's layers as a scan of rematerialised bodies
+    (``CausalLM.hidden_states(remat=True)``): the same loss and gradient, about one more forward pass of compute,
+    and the gradient's memory no longer holds every layer's activations (XLA CPU, SmolLM2's 15-layer cut, 4 rows of
+    1,152 tokens: 13.4 GB of temporaries to 1.3 GB).
+
     ``advantage_logp`` (``opd`` and ``sti-opd``; ``jaxopd.losses.ADVANTAGE_LOGP``): which student log-prob the
     reverse-KL advantage A = -(log π_θ - log π_T) reads. The default, ``"current"``, is the forward pass being
     differentiated (under stop-gradient), as ActFirst-OPD App. B.4 and STI-OPD App. B.3 write the advantage: with the
@@ -99,6 +104,7 @@ class LossConfig:
     context_vocab: tuple[int, ...] | None = None
     exact_top_k: int | None = None
     advantage_logp: str = "current"
+    remat_layers: bool = False
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -181,8 +187,10 @@ def model_log_probs(model: CausalLM, tokens: jax.Array, positions: jax.Array, at
     """The per-token log-probs a loss needs, by the cheapest exact path the config allows."""
     if config.max_supervised_tokens is not None:
         return supervised_log_probs(model, tokens, positions, attention_mask, loss_mask,
-                                    config.max_supervised_tokens, config.temperature)
-    return sequence_log_probs(model, tokens, positions, attention_mask, config.temperature, config.logits_chunk_size)
+                                    config.max_supervised_tokens, config.temperature,
+                                    remat_layers=config.remat_layers)
+    return sequence_log_probs(model, tokens, positions, attention_mask, config.temperature, config.logits_chunk_size,
+                              remat_layers=config.remat_layers)
 
 
 def _opd(logp, batch, config, aggregation):
@@ -243,7 +251,8 @@ def _exact_opd_loss(model: CausalLM, batch: TrainBatch, config: LossConfig) -> t
     """The ``opd-exact`` loss: the student's log-softmax at the supervised positions against the teacher's, which
     ``score_batch`` put in ``batch.teacher_dense_logp`` for the same positions."""
     hidden, _ = model.hidden_states(batch.tokens, batch.positions,
-                                    dense_causal_attend(batch.positions, batch.attention_mask))
+                                    dense_causal_attend(batch.positions, batch.attention_mask),
+                                    remat=config.remat_layers)
     student, targets, order, valid = supervised_dense_log_probs(model, hidden, batch.tokens, batch.loss_mask,
                                                                 config.max_supervised_tokens, config.temperature)
     teacher, ids = batch.teacher_dense_logp, batch.teacher_top_ids
@@ -273,7 +282,8 @@ def _exact_opd_loss(model: CausalLM, batch: TrainBatch, config: LossConfig) -> t
 def _sft_with_context_loss(model: CausalLM, batch: TrainBatch, config: LossConfig) -> tuple[jax.Array, Metrics]:
     """The ``sft`` loss with its context term: one forward pass gives the response and the prompt log-probs."""
     hidden, _ = model.hidden_states(batch.tokens, batch.positions,
-                                    dense_causal_attend(batch.positions, batch.attention_mask))
+                                    dense_causal_attend(batch.positions, batch.attention_mask),
+                                    remat=config.remat_layers)
     if config.max_supervised_tokens is not None:
         logp = supervised_from_hidden(model, hidden, batch.tokens, batch.loss_mask, config.max_supervised_tokens,
                                        config.temperature)
