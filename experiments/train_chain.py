@@ -22,6 +22,12 @@ same command line after a kill goes on where it stopped:
     python -m experiments.train_chain --results results/train --work runs/train_chain
     python -m experiments.train_chain --only teacher           # one stage (and nothing after it)
 
+What is worth keeping lands under ``--results`` as it is made, so that a clone of the results on another machine
+goes on where the chain stopped: the models, the evaluations (``eval/<name>``, with their partial files while they
+run), each method's metrics and curves (``curves/<method>``, copied when its run ends), the divergence, the
+comparison, the stage times (``timings.json``) and the report. ``--work`` holds the run folders with their
+checkpoints, the logs and the cut probe (not needed once the student exists).
+
 ``--profile smoke`` runs the same chain with tiny budgets over ``--base`` (a small model folder) for tests.
 """
 from __future__ import annotations
@@ -81,7 +87,8 @@ class Recipe:
 PROFILES: dict[str, Recipe] = {
     "cpu": Recipe(teacher_steps=400, teacher_lr=3e-4, teacher_lora_layers=tuple(range(20, 30)),
                   student_keep=("0-14", "0-13,29", "0-11,27-29", "0-7,23-29", "0-28:2", "0-3,19-29", "0-1,17-29"),
-                  student_steps=120, student_lr=5e-4, method_updates=40, method_lr=1e-4, method_lora_top=8),
+                  student_steps=120, student_lr=5e-4, method_updates=10, method_lr=1e-4, method_lora_top=8,
+                  curve_every=5),
     "smoke": Recipe(teacher_steps=2, teacher_lr=1e-3, teacher_lora_layers=(1,), student_keep=("0", "1"),
                     student_steps=1, student_lr=1e-3, method_updates=1, method_lr=1e-4, method_lora_top=1,
                     lora_rank=2, sft_batch=2, eval_seeds=(42,), eval_tasks=1, eval_max_turns=2,
@@ -114,7 +121,15 @@ class Chain:
         return self.models / name
 
     def eval_dir(self, name: str) -> Path:
-        return self.work / "eval" / name
+        """An evaluation's folder: under ``--results`` (its episodes and partial file are small), so that an
+        evaluation interrupted on one machine goes on from a clone of the results on another."""
+        return self.results / "eval" / name
+
+    def run_dir(self, method: str) -> Path:
+        """A method's run folder: the live one under ``--work``, else the report's copy of its config, metrics and
+        evaluations under ``--results/curves`` (which the report and the summary read like the run)."""
+        live = self.work / "runs" / method
+        return live if (live / "config.json").is_file() else self.results / "curves" / method
 
     def base_folder(self) -> str:
         if self.base is not None:
@@ -195,12 +210,12 @@ class Chain:
         tasks = [] if r.divergence_tasks is None else ["--tasks", r.divergence_tasks]
         return [self._module("experiments.divergence", "--teacher", self.model("teacher"), *models, *tasks,
                              "--max-prompt-tokens", r.max_prompt_tokens, "--no-progress",
-                             "--out", self.work / "divergence")]
+                             "--out", self.results / "divergence")]
 
     def compare(self) -> list[list[str]]:
         evals = [a for name in ("student", *METHODS) for a in ("--eval", f"{name}={self.eval_dir(name)}")]
         return [self._module("experiments.compare_evals", *evals, "--baseline", "student",
-                             "--out", self.work / "compare")]
+                             "--out", self.results / "compare")]
 
     def bench_file(self, name: str) -> Path:
         return self.results / "bench" / f"{name}.json"
@@ -236,14 +251,15 @@ class Chain:
         # shows before hours of distillation
         stages = [Stage("fetch", self.fetched, self.fetch),
                   Stage("teacher", exported("teacher"), self.teacher),
-                  Stage("cut", lambda: (self.work / "cut_layers" / "cut_layers.json").is_file(), self.cut),
+                  Stage("cut", lambda: (self.work / "cut_layers" / "cut_layers.json").is_file()
+                        or exported("student")(), self.cut),     # only the student stage reads it
                   Stage("student", exported("student"), self.student)]
         stages += [Stage(f"evaluate-{n}", evaluated(n), lambda n=n: self.evaluate(n)) for n in ("teacher", "student")]
         stages += [Stage(m, exported(m), lambda m=m: self.method(m)) for m in METHODS]
         stages += [Stage(f"evaluate-{n}", evaluated(n), lambda n=n: self.evaluate(n)) for n in METHODS]
-        stages += [Stage("divergence", lambda: (self.work / "divergence" / "divergence.json").is_file(),
+        stages += [Stage("divergence", lambda: (self.results / "divergence" / "divergence.json").is_file(),
                          self.divergence),
-                   Stage("compare", lambda: (self.work / "compare" / "compare.json").is_file(), self.compare),
+                   Stage("compare", lambda: (self.results / "compare" / "compare.json").is_file(), self.compare),
                    Stage("throughput", lambda: self.bench_file("env_throughput").is_file(), self.throughput),
                    Stage("quality", lambda: self.bench_file("rollout_quality").is_file(), self.quality),
                    Stage("report", lambda: False, lambda: [])]
@@ -262,7 +278,8 @@ class Chain:
     def run(self, only: Sequence[str] = ()) -> dict[str, Any]:
         self.work.mkdir(parents=True, exist_ok=True)
         (self.work / "logs").mkdir(exist_ok=True)
-        timings_path = self.work / "timings.json"
+        self.results.mkdir(parents=True, exist_ok=True)
+        timings_path = self.results / "timings.json"    # stage times add up over machines
         timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
         for stage in self.stages():
             if only and stage.name not in only:
@@ -276,6 +293,8 @@ class Chain:
                 report(self)
             for command in stage.commands():
                 self.call(stage.name, command)
+            if stage.name in METHODS:       # the run's metrics and curves into --results at once (the report's copy)
+                report(self)
             timings[stage.name] = timings.get(stage.name, 0.0) + time.time() - started
             timings_path.write_text(json.dumps(timings, indent=2) + "\n")
             self.say(f"{stage.name}: finished in {time.time() - started:.0f} s")
@@ -319,8 +338,8 @@ def _success(chain: Chain, name: str) -> dict[str, Any] | None:
 
 def summary_of(chain: Chain) -> dict[str, Any]:
     """``summary.json``: teacher, student and one entry per method, from the stages' outputs."""
-    compare = _read(chain.work / "compare" / "compare.json") or {}
-    divergence = _read(chain.work / "divergence" / "divergence.json") or {}
+    compare = _read(chain.results / "compare" / "compare.json") or {}
+    divergence = _read(chain.results / "divergence" / "divergence.json") or {}
     kl = {label: entry["reverse_kl"] for label, entry in divergence.get("models", {}).items()}
     runs = {row["run"]: row for row in (_read(chain.results / "curves" / "runs.json") or [])}
     out: dict[str, Any] = {"teacher": _success(chain, "teacher"), "student": _success(chain, "student"),
@@ -332,7 +351,7 @@ def summary_of(chain: Chain) -> dict[str, Any]:
         agent = compare.get("agents", {}).get(method, {})
         run = runs.get(method, {})
         if not run.get("updates"):        # no update trained (e.g. ActionOPD's groups all filtered): the run's own
-            own = _read(chain.work / "runs" / method / "summary.json") or {}
+            own = _read(chain.run_dir(method) / "summary.json") or {}
             run = {"updates": own.get("updates"), "train_wall_s": own.get("wall_s")}
         entry.update(paired_delta=agent.get("difference"), paired_ci=agent.get("difference_ci"),
                      mcnemar_p=agent.get("mcnemar_p"),
@@ -341,7 +360,7 @@ def summary_of(chain: Chain) -> dict[str, Any]:
                      reverse_kl_action_only_before=kl.get("student", {}).get("next_action"),
                      reverse_kl_action_only_after=kl.get(method, {}).get("next_action"),
                      train_seconds=run.get("train_wall_s"), updates=run.get("updates"))
-        sources = action_sources(chain.work / "runs" / method / "train.jsonl")
+        sources = action_sources(chain.run_dir(method) / "train.jsonl")
         if sources:
             entry["action_sources"] = sources
         out["methods"][method] = entry
@@ -349,7 +368,7 @@ def summary_of(chain: Chain) -> dict[str, Any]:
     out["env_throughput"] = throughput_of(_read(chain.bench_file("env_throughput")))
     quality = _read(chain.bench_file("rollout_quality"))
     out["rollout_quality"] = None if quality is None else quality["rows"]
-    out["stage_seconds"] = _read(chain.work / "timings.json") or {}
+    out["stage_seconds"] = _read(chain.results / "timings.json") or {}
     return out
 
 
@@ -449,7 +468,7 @@ def report(chain: Chain) -> dict[str, Any]:
     training games they were evaluated on while training) by ``experiments.train_report`` under ``curves/``."""
     results = chain.results
     results.mkdir(parents=True, exist_ok=True)
-    runs = [chain.work / "runs" / m for m in METHODS if (chain.work / "runs" / m / "config.json").is_file()]
+    runs = [chain.run_dir(m) for m in METHODS if (chain.run_dir(m) / "config.json").is_file()]
     if runs:
         chain.call("report", chain._module("experiments.train_report", *runs, "--out", results / "curves"))
     summary = summary_of(chain)

@@ -194,6 +194,8 @@ def _main(args: argparse.Namespace) -> int:
     rows = [describe_run(f, evaluations.get(f.name, ())) for f in folders]
     for folder in folders:
         target = out / folder.name
+        if target.resolve() == folder.resolve():     # a report rebuilt from its own copies of the runs
+            continue
         target.mkdir(exist_ok=True)
         for name in COPIED:
             if (folder / name).is_file():

@@ -545,8 +545,8 @@ _PRESET_KEEPS_METHOD = {"sft": {"learning_rate", "batch_size"}}
 # losses unchanged): ``departures_of`` does not compare them with the paper preset.
 _NOT_A_PAPER_SETTING = {"method", "preset", "student", "teacher", "student_model_preset", "teacher_model_preset",
                         "games", "generated_train_games", "seed", "checkpoint_every", "keep_checkpoints",
-                        "logits_chunk_size", "max_supervised_tokens", "page_size", "prefix_sharing", "eval_every",
-                        "eval_split", "advantage_logp", "sft_thinking", "sync_check"}
+                        "logits_chunk_size", "max_supervised_tokens", "remat_layers", "page_size", "prefix_sharing",
+                        "eval_every", "eval_split", "advantage_logp", "sft_thinking", "sync_check"}
 _METHOD_ONLY_FIELDS = {"collection_tasks": "actionopd", "num_candidates": "actionopd",
                        "num_teacher_samples": "actionopd", "match_bonus_scale": "actionopd",
                        "teacher_temperature": "actionopd", "teacher_top_p": "actionopd",

@@ -58,3 +58,20 @@ def test_the_smoke_chain_runs_end_to_end_and_resumes(tmp_path, monkeypatch, caps
     lines = capsys.readouterr().out.splitlines()
     assert sum(line.endswith(": done") for line in lines) == len(train_chain.Chain(
         train_chain.PROFILES["smoke"], results=results, work=work, base=str(base), progress=False).stages()) - 1
+
+    # what the results keep is enough to go on from on another machine: without the work folder (checkpoints, logs,
+    # run folders) every stage is still done and the report is the same
+    import shutil
+    for name in ("teacher", "student", *train_chain.METHODS):
+        assert (results / "eval" / name / "evaluation.json").is_file(), name
+    for method in train_chain.METHODS:
+        assert (results / "curves" / method / "config.json").is_file(), method
+    assert set(json.loads((results / "timings.json").read_text())) >= {"teacher", "student", *train_chain.METHODS}
+    shutil.rmtree(work)
+    capsys.readouterr()
+    assert train_chain.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ran = [line.split("] ")[1] for line in lines if not line.endswith(": done")]
+    assert ran[:1] == [f"report: running (log {work}/logs/report.log)"]
+    again = json.loads((results / "summary.json").read_text())
+    assert again["methods"] == summary["methods"] and again["teacher"] == summary["teacher"]
