@@ -11,7 +11,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 os.environ.pop("JAXOPD_MALLOC_TUNING", None)    # glibc's defaults in the test session and the commands it starts
-os.environ["JAXOPD_COMPILE_CACHE"] = "off"      # no persistent compilation cache either (test_compile_cache's own)
+# no persistent compilation cache either (test_compile_cache has its own), unless JAXOPD_TESTS_COMPILE_CACHE names a
+# folder: CI's slow run shares one among the commands its tests start (a killed and resumed run, the processes of a
+# multi-process run, a chain's stages), which compile the same programs again and again
+os.environ["JAXOPD_COMPILE_CACHE"] = os.environ.get("JAXOPD_TESTS_COMPILE_CACHE") or "off"
 
 try:        # alfworld's import writes $ALFWORLD_DATA; import it once here the way envs does, which undoes that, so that
     from jaxopd_envs.alfworld_import import import_alfworld     # tests' own `importorskip("alfworld")` cannot

@@ -324,7 +324,8 @@ class DistillConfig(RunConfig):
     collection_tasks: int = setting(64, "ActionOPD: task starts collected with one policy snapshot")
     max_version_lag: int = setting(1, "samples older than this many policy versions are dropped")
     rollout_mode: str = setting("async", "async: the papers' streaming runners; sync: waves in task order between "
-                                "updates, reproducible (a killed and resumed run gives the same losses)",
+                                "updates, reproducible (a killed and resumed run trains on the same batches, "
+                                "with the same losses to float rounding)",
                                 choices=ROLLOUT_MODES)
     rollout_backlog: int | None = setting(None, "async: samples the runners may keep ahead of the trainer (default: "
                                           "batch size x (max version lag + 1)); 0: no bound, runners never pause",

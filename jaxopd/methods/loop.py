@@ -23,6 +23,7 @@ import functools
 import math
 import os
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -343,7 +344,10 @@ class Trainer:
         mask = np.asarray(batch.loss_mask)
         teacher = np.asarray(batch.teacher_generated) & mask
         lags = [version - 1 - s.policy_version for s in samples]
-        return {"batch_samples": len(samples), "batch_tokens": int(mask.sum()),
+        # which tokens the update trained on, and where: equal digests, equal batches (a reproducible run's check)
+        digest = zlib.crc32(np.ascontiguousarray(np.asarray(batch.tokens), dtype=np.int32).tobytes())
+        digest = zlib.crc32(np.packbits(mask).tobytes(), digest)
+        return {"batch_samples": len(samples), "batch_tokens": int(mask.sum()), "batch_digest": digest,
                 "teacher_token_fraction_batch": float(teacher.sum() / max(1, mask.sum())),
                 "version_lag_mean": float(np.mean(lags)), "version_lag_max": int(np.max(lags))}
 

@@ -2,14 +2,19 @@
 during a train step and during a checkpoint write, and resume it each time.
 
 Checked: every resume continues from the last *complete* checkpoint on disk (a checkpoint whose write was cut
-is never loaded), every update appears once in ``train.jsonl``, and each loss equals that of an uninterrupted run
-of the same command (``--rollout-mode sync`` makes a run reproducible; see ``jaxopd.methods.loop``).
+is never loaded), every update appears once in ``train.jsonl``, and each update trains on the very batch of an
+uninterrupted run of the same command (equal ``batch_digest``: ``--rollout-mode sync`` makes a run reproducible; see
+``jaxopd.methods.loop``) with its loss. Losses are compared to float rounding (rtol 1e-5), not bit for bit: the
+sampler's log-probs enter the loss (the ratio's denominator), and a row's logits move in the last bits with the other
+rows that share its decode step, which the timing of the environment threads decides (seen in CI: 6 of 8 losses
+bit-identical, the other two 1e-7 apart).
 The figures (kills by phase, resumes, identical losses) are printed and written to ``$JAXOPD_RELIABILITY_OUT``
 when that variable names a folder.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -153,7 +158,9 @@ def test_sigkill_five_times_and_resume_gives_the_uninterrupted_losses(setup, tmp
     done = subprocess.run(command(models, reference_out), cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
-    reference = {r["step"]: r["loss"] for r in read_jsonl(reference_out / "train.jsonl")}
+    reference_records = read_jsonl(reference_out / "train.jsonl")
+    reference = {r["step"]: r["loss"] for r in reference_records}
+    reference_batches = {r["step"]: r["batch_digest"] for r in reference_records}
     assert sorted(reference) == list(range(1, UPDATES + 1))
 
     out = tmp_path / "killed"
@@ -192,14 +199,18 @@ def test_sigkill_five_times_and_resume_gives_the_uninterrupted_losses(setup, tmp
     steps = [r["step"] for r in records]
     assert steps == list(range(1, UPDATES + 1)), steps          # each update once: the killed runs' tails rewound
     losses = {r["step"]: r["loss"] for r in records}
+    batches = {r["step"]: r["batch_digest"] for r in records}
+    same_batch = [step for step in batches if batches[step] == reference_batches[step]]
     identical = [step for step in losses if losses[step] == reference[step]]
+    close = [step for step in losses if math.isclose(losses[step], reference[step], rel_tol=1e-5, abs_tol=1e-7)]
     next_identical = sum(losses[r["from"] + 1] == reference[r["from"] + 1] for r in resumes if r["from"] < UPDATES)
     report = {"updates": UPDATES, "kills": kills, "resumes": resumes,
               "kills_by_phase_at_kill": {p: sum(k["phase_at_kill"] == p for k in kills)
                                          for p in sorted({k["phase_at_kill"] for k in kills})},
               "partial_checkpoints_seen": sum(bool(k["partial_at_kill"]) for k in kills),
               "resumes_total": len(resumes), "resumes_next_loss_identical": next_identical,
-              "losses_identical": len(identical), "losses": losses, "reference_losses": reference}
+              "batches_identical": len(same_batch), "losses_identical": len(identical),
+              "losses_within_rounding": len(close), "losses": losses, "reference_losses": reference}
     print(json.dumps(report, indent=1))
     if os.environ.get("JAXOPD_RELIABILITY_OUT"):
         folder = Path(os.environ["JAXOPD_RELIABILITY_OUT"])
@@ -209,4 +220,5 @@ def test_sigkill_five_times_and_resume_gives_the_uninterrupted_losses(setup, tmp
     assert len(kills) == 5 and len(resumes) == 5
     assert {k["phase_at_kill"] for k in kills} >= {"rollout", "step", "checkpoint"}, kills
     assert report["partial_checkpoints_seen"] >= 1, kills      # a write was really cut, and was not loaded
-    assert len(identical) == UPDATES, (losses, reference)
+    assert len(same_batch) == UPDATES, (batches, reference_batches)   # the same samples, update by update
+    assert len(close) == UPDATES, (losses, reference)
