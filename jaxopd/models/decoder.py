@@ -6,7 +6,9 @@ code path. Owns the architecture (config presets, blocks, RoPE, RMSNorm, GQA att
 untied head) and one forward pass whose attention step is a pluggable function: the dense causal attention in
 this file serves training and scoring, and the sampler passes a paged-cache attention that writes the
 layer's keys/values into its pages. The model itself knows nothing of caches or sampling; the masked GQA
-softmax is ``jaxopd_kernels.dense.grouped_attention``, shared with the paged backends.
+softmax is ``jaxopd_kernels.dense.grouped_attention``, shared with the paged backends. ``scan_layers`` runs the
+layers as one ``lax.scan`` over stacked parameters: training's rematerialised forward and the sampler's scanned
+engines share that body.
 
 Parameters carry logical axis names in their ``axes`` metadata (``('embed', 'q_heads', 'head_dim')``, ...);
 ``jaxopd.models.sharding`` maps them onto a mesh.
@@ -343,6 +345,30 @@ def dense_causal_attend(positions: Array, attention_mask: Array) -> AttendFn:
     return attend
 
 
+def scan_layers(layer_def: Any, stacked: Any, x: Array, cos: Array, sin: Array, attend: AttendFn, cache: Any = None,
+                *, treedef: Any = None, remat: bool = False) -> tuple[Array, Any]:
+    """Decoder layers of one graph ``layer_def`` over ``x`` as one ``lax.scan`` over their stacked parameters; the
+    one scan body of training (``CausalLM.hidden_states(remat=True)``) and of the sampler (``scan_layers`` engines).
+
+    ``stacked``: a layer's state with every leaf stacked ``[num_layers, ...]``, or (with ``treedef``, the layer
+    state's tree structure) the list of those stacked leaves. ``cache``: one cache threaded through every layer
+    (the sampler's page pool; layer ``i`` is told its index as a traced int32), None in training. ``remat``: the body
+    under ``jax.checkpoint``, so a gradient keeps only each layer's input. Returns ``(x, cache)``."""
+    def step(carry, xs):
+        h, kv = carry
+        index, state = xs
+        if treedef is not None:
+            state = jax.tree.unflatten(treedef, state)
+        h, kv = nnx.merge(layer_def, state)(index, h, cos, sin, attend, kv)
+        return (h, kv), None
+
+    if remat:
+        step = jax.checkpoint(step)
+    count = jax.tree.leaves(stacked)[0].shape[0]
+    (x, cache), _ = jax.lax.scan(step, (x, cache), (jnp.arange(count, dtype=jnp.int32), stacked))
+    return x, cache
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The model
 # ----------------------------------------------------------------------------------------------------------
@@ -380,7 +406,7 @@ class CausalLM(nnx.Module):
         return self.final_norm(x), cache
 
     def _rematerialised_layers(self, x: Array, cos: Array, sin: Array, attend: AttendFn) -> Array:
-        """The layers over ``x`` as a ``lax.scan`` of a ``jax.checkpoint`` body over their stacked parameters."""
+        """The layers over ``x`` as ``scan_layers`` of a ``jax.checkpoint`` body over their stacked parameters."""
         split = [nnx.split(layer) for layer in self.layers]
         layer_def, first = split[0]
         signature = jax.tree.structure(first), [(a.shape, a.dtype) for a in jax.tree.leaves(first)]
@@ -389,14 +415,7 @@ class CausalLM(nnx.Module):
                 raise ValueError(f"hidden_states(remat=True) stacks the layers' parameters, but layer {i}'s differ "
                                  "from layer 0's in structure, shape or dtype")
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(state for _, state in split))
-
-        @jax.checkpoint
-        def layer_step(h, xs):
-            index, state = xs
-            h, _ = nnx.merge(layer_def, state)(index, h, cos, sin, attend, None)
-            return h, None
-
-        x, _ = jax.lax.scan(layer_step, x, (jnp.arange(len(split), dtype=jnp.int32), stacked))
+        x, _ = scan_layers(layer_def, stacked, x, cos, sin, attend, remat=True)
         return x
 
     def logits(self, hidden: Array, head_dv: Array | None = None) -> Array:

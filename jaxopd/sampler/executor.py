@@ -14,7 +14,7 @@ engine calls it from one thread at a time.
 model's unrolled loop: one compiled layer body instead of ``num_layers`` copies, fewer arguments per call. The
 layers' KV caches are then one pool of ``num_layers * num_pages`` pages (layer ``i``'s page ``p`` is page
 ``i * num_pages + p``), so the scanned body writes and reads its layer's pages in place by shifting page ids;
-the model's modules are unchanged (``LayerScan``).
+the model's modules are unchanged (``LayerScan``; the scan body is ``jaxopd.models.decoder.scan_layers``).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from flax import nnx
 
 from jaxopd_kernels import registry as kernels
 from jaxopd.models.logprobs import token_log_probs
-from jaxopd.models.decoder import CausalLM, rope_cos_sin
+from jaxopd.models.decoder import CausalLM, rope_cos_sin, scan_layers
 from jaxopd.sampler.allocator import NULL_PAGE
 from jaxopd.sampler.buckets import Buckets
 from jaxopd.sampler.sampling import SamplingArrays, sample_tokens
@@ -190,14 +190,7 @@ def _hidden_states(static: StaticModel, model: CausalLM, state_leaves, tokens, p
     x = jnp.take(model.embedding_vd[...], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
 
-    def layer_step(carry, xs):
-        x, kv = carry
-        index, leaves = xs
-        layer = nnx.merge(scan.layer_graphdef, jax.tree.unflatten(scan.layer_treedef, leaves))
-        return layer(index, x, cos, sin, attend, kv), None
-
-    (x, kv), _ = jax.lax.scan(layer_step, (x, kv), (jnp.arange(len(scan.layers), dtype=jnp.int32),
-                                                    state_leaves[1]))
+    x, kv = scan_layers(scan.layer_graphdef, state_leaves[1], x, cos, sin, attend, kv, treedef=scan.layer_treedef)
     return model.final_norm(x), kv
 
 
