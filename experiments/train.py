@@ -22,10 +22,11 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from jaxopd import cli
 from jaxopd.train import distributed
@@ -34,7 +35,8 @@ from jaxopd.machine import machine_info
 from jaxopd.methods.benchmarks import BenchmarkError, GeneratedCounts, resolve_source, subset
 from jaxopd.methods.config import (METHODS, PRESETS, DistillConfig, RunConfig, SFTConfig, build_config,
                                    field_owner)
-from jaxopd.methods.run_folder import Interrupted, RunFolderError, RunLock, check_resume
+from jaxopd.methods.metrics_log import read_jsonl
+from jaxopd.methods.run_folder import CONFIG_FILE, Interrupted, RunFolderError, RunLock, check_resume
 
 RUN_FLAGS = ("config", "method", "preset", "out", "export", "steps", "export_at", "no_eval", "no_progress",
              "phase_log", "num_processes")
@@ -102,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SFT: also write the model of step STEP as a Hugging Face folder DIR when the run passes it "
                         "(a weaker student from the teacher's own run; repeatable)")
     p.add_argument("--no-eval", action="store_true", help="skip evaluation")
+    p.add_argument("--first-eval-from", default=None, metavar="RUN",
+                   help="take the evaluation of update 0 (the untrained student) from the run folder RUN instead of "
+                        "repeating it; RUN must agree with this run in every setting that evaluation depends on")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--num-processes", type=int, default=1, metavar="N",
                    help="run as N local processes of one JAX cluster (CPU collectives; for trying and testing a "
@@ -278,6 +283,38 @@ def make_evaluator(config: RunConfig, source: Any, tokenizer: Any, out: Path, pr
     return evaluate
 
 
+def reuse_first_evaluation(run: Path, config: RunConfig, out: Path, evaluate: Callable[[Any, int], dict[str, Any]]
+                           ) -> Callable[[Any, int], dict[str, Any]]:
+    """``--first-eval-from RUN``: ``evaluate`` with update 0 answered by RUN's own evaluation of update 0 (its
+    ``eval.jsonl`` record, marked ``copied_from``, and its ``eval/update_00000`` episodes), so that methods trained
+    from one student evaluate it once. Refused (``UsageError``) unless RUN holds that evaluation and agrees with
+    ``config`` in every field of ``FIRST_EVALUATION_FIELDS``. Equal settings give the same episodes up to the float
+    rounding of batched decoding."""
+    from jaxopd.methods.run_folder import FIRST_EVALUATION_FIELDS, config_defaults, config_differences
+
+    flag = f"--first-eval-from {str(run)!r}"
+    if not (run / CONFIG_FILE).is_file() or not (run / "eval.jsonl").is_file():
+        raise cli.UsageError(f"{flag}: not a run folder with an evaluation (no {CONFIG_FILE} or eval.jsonl)")
+    saved = json.loads((run / CONFIG_FILE).read_text())
+    differ = config_differences(saved, config.to_dict(), config_defaults(config), only=FIRST_EVALUATION_FIELDS)
+    if differ:
+        raise cli.UsageError(f"{flag}: its evaluation of update 0 used other settings ({', '.join(differ)} differ)")
+    first = next((r for r in read_jsonl(run / "eval.jsonl") if r.get("step") == 0), None)
+    if first is None:
+        raise cli.UsageError(f"{flag}: its eval.jsonl holds no evaluation of update 0")
+    copied = {k: v for k, v in first.items() if k not in ("kind", "step", "time", "wall_s")}
+
+    def evaluated(engine: Any, update: int) -> dict[str, Any]:
+        if update != 0:
+            return evaluate(engine, update)
+        episodes = run / "eval" / "update_00000"
+        if episodes.is_dir():
+            shutil.copytree(episodes, out / "eval" / "update_00000", dirs_exist_ok=True)
+        return {**copied, "copied_from": str(run)}
+
+    return evaluated
+
+
 def held_out_divergence(config: RunConfig, source: Any, tokenizer: Any, student: Any, teacher: Any, trainer: Any):
     """``fn() -> float``: the current student's exact reverse KL to the teacher on the walkthrough turns of the
     evaluation games (held-out states: no training task is among them), at the rollout temperature. The turns'
@@ -350,6 +387,8 @@ def _run_locked(config: RunConfig, args: argparse.Namespace, out: Path, source: 
         elif not args.no_eval:
             divergence = held_out_divergence(config, source, tokenizer, student, teacher, lambda: holder["trainer"])
             evaluator = make_evaluator(config, source, tokenizer, out, progress, divergence=divergence)
+            if args.first_eval_from:
+                evaluator = reuse_first_evaluation(Path(args.first_eval_from), config, out, evaluator)
         trainer = Trainer(config, student=student, teacher=teacher, tokenizer=tokenizer, source=source, out_dir=out,
                           progress=progress, evaluate=evaluator, on_phase=phase_logger(args.phase_log))
         holder["trainer"] = trainer
@@ -470,7 +509,6 @@ def export_steps(args: argparse.Namespace, steps: int) -> dict[int, str]:
 def plot_history(out: Path) -> None:
     """Success rate against update and wall-clock from ``eval.jsonl`` (when the run evaluated)."""
     from jaxopd.methods.evaluate import plot_learning_curves
-    from jaxopd.methods.metrics_log import read_jsonl
 
     records = [r for r in read_jsonl(out / "eval.jsonl") if r.get("success_rate_mean") is not None]
     if records:

@@ -193,8 +193,27 @@ class Chain:
             "--updates", r.method_updates, "--learning-rate", r.method_lr, "--sft-thinking", "plan",
             "--eval-split", TUNE_SPLIT, "--eval-every", r.curve_every, "--eval-tasks", r.curve_tasks,
             "--eval-seeds", r.eval_seeds[0], *self._eval_flags(), "--remat-layers", "on", "--no-progress",
-            *r.extra_method,
+            *r.extra_method, *self._first_evaluation(method),
             "--out", self.work / "runs" / method, "--export", self.model(method))]
+
+    def _first_evaluation(self, method: str) -> list[Any]:
+        """Every method starts from the same student, and the chain gives them the same evaluation flags: an earlier
+        method run's evaluation of update 0 serves a later one whose own defaults evaluate alike (ActionOPD's do not:
+        it evaluates greedily). ``experiments.train --first-eval-from`` checks the final settings again."""
+        from jaxopd.methods.config import build_config
+        from jaxopd.methods.metrics_log import read_jsonl
+        from jaxopd.methods.run_folder import FIRST_EVALUATION_FIELDS
+
+        def evaluation_defaults(name: str) -> dict[str, Any]:
+            config = build_config(name, preset="cpu").to_dict()
+            return {field: config.get(field) for field in FIRST_EVALUATION_FIELDS}
+
+        for other in METHODS:
+            evals = self.run_dir(other) / "eval.jsonl"
+            if (other != method and evals.is_file() and any(r.get("step") == 0 for r in read_jsonl(evals))
+                    and evaluation_defaults(other) == evaluation_defaults(method)):
+                return ["--first-eval-from", self.run_dir(other)]
+        return []
 
     def evaluate(self, name: str) -> list[list[str]]:
         r = self.recipe

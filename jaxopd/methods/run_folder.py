@@ -18,7 +18,7 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 CONFIG_FILE = "config.json"
 CHECKPOINTS = "checkpoints"
@@ -27,6 +27,13 @@ LOCK_FILE = ".lock"
 RESUMABLE_CHANGES = frozenset({"updates", "eval_every", "eval_tasks", "eval_seeds", "checkpoint_every",
                                "keep_checkpoints", "eval_max_turns", "eval_max_prompt_tokens",
                                "eval_first_stage_tokens", "eval_total_tokens"})
+# fields that decide the evaluation of the untrained student (update 0: its LoRA adds nothing yet) and its held-out
+# reverse KL to the teacher; runs equal in all of them may share that evaluation (experiments.train --first-eval-from)
+FIRST_EVALUATION_FIELDS = ("benchmark", "games", "generated_train_games", "student", "student_model_preset",
+                           "student_layers", "teacher", "teacher_model_preset", "temperature", "rollout_slots",
+                           "max_prompt_tokens", "second_stage_tokens", "page_size", "sft_thinking", "eval_split",
+                           "eval_tasks", "eval_seeds", "eval_greedy", "eval_temperature", "eval_max_turns",
+                           "eval_max_prompt_tokens", "eval_first_stage_tokens", "eval_total_tokens")
 # keys a saved config carries that follow from its fields (RunConfig.departures): never compared
 DERIVED_KEYS = frozenset({"departures"})
 PATH_FIELDS = ("student", "teacher")        # compared as resolved paths (a trailing slash is the same folder)
@@ -120,10 +127,13 @@ def _normalised(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[
     return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
-def config_differences(saved: Mapping[str, Any], mine: Mapping[str, Any], defaults: Mapping[str, Any]) -> list[str]:
-    """The fields (outside ``RESUMABLE_CHANGES``) in which two config dicts differ; a field one of them lacks counts
-    as its default, and folders are compared as resolved paths."""
+def config_differences(saved: Mapping[str, Any], mine: Mapping[str, Any], defaults: Mapping[str, Any],
+                       only: Sequence[str] | None = None) -> list[str]:
+    """The fields (outside ``RESUMABLE_CHANGES``; or, given ``only``, among those) in which two config dicts differ;
+    a field one of them lacks counts as its default, and folders are compared as resolved paths."""
     a, b = _normalised(saved, defaults), _normalised(mine, defaults)
+    if only is not None:
+        return sorted(k for k in only if a.get(k) != b.get(k))
     return sorted(k for k in set(a) | set(b)
                   if a.get(k) != b.get(k) and k not in RESUMABLE_CHANGES and k not in DERIVED_KEYS)
 

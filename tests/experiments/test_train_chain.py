@@ -53,6 +53,13 @@ def test_the_smoke_chain_runs_end_to_end_and_resumes(tmp_path, monkeypatch, caps
         assert load_folder(results / "models" / name).config.num_layers == (2 if name == "teacher" else 1)
     assert (results / "curves" / "success_vs_update.png").is_file()
     assert "| actfirst |" in (results / "summary.md").read_text()
+    from jaxopd.methods.metrics_log import read_jsonl
+    firsts = {m: next(r for r in read_jsonl(results / "curves" / m / "eval.jsonl") if r["step"] == 0)
+              for m in train_chain.METHODS}
+    assert "copied_from" not in firsts["vanilla-opd"] and "copied_from" not in firsts["actionopd"]  # greedy: its own
+    for method in ("actfirst", "sti"):      # the untrained student is evaluated once for methods that evaluate alike
+        assert firsts[method]["copied_from"] == str(work / "runs" / "vanilla-opd"), firsts[method]
+        assert firsts[method]["success_rate_mean"] == firsts["vanilla-opd"]["success_rate_mean"]
     capsys.readouterr()
     assert train_chain.main(argv) == 0                          # everything done: only the report is rebuilt
     lines = capsys.readouterr().out.splitlines()
