@@ -148,6 +148,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if getattr(args, "phase_log", None) and args.method == "sft":
         raise UsageError("--phase-log reports the phases of the distillation loop (rollout, step, checkpoint); "
                          "--method sft never enters them")
+    if getattr(args, "first_eval_from", None) and (args.method == "sft" or getattr(args, "no_eval", False)
+                                                   or multiprocess_run(args)):
+        raise UsageError("--first-eval-from stands in for a distillation run's evaluation of update 0; this run makes "
+                         "none (--method sft, --no-eval or --num-processes)")
     if args.method == "sft" and args.steps is not None:
         overrides["updates"] = args.steps
     if multiprocess_run(args) and args.method == "sft":

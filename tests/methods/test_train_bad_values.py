@@ -198,6 +198,8 @@ def test_token_limits_under_which_nothing_fits_are_refused(capsys, tmp_path, arg
     (["--method", "sti", "--benchmark", "scienceworld", "--train-tasks", "100000"], ["train_tasks 100000"]),
     (["--method", "sft", "--phase-log", "PHASES"], ["--phase-log", "sft"]),
     (["--method", "vanilla-opd", "--steps", "5"], ["--steps", "--updates"]),
+    (["--method", "vanilla-opd", "--no-eval", "--first-eval-from", "PHASES"], ["--first-eval-from", "--no-eval"]),
+    (["--method", "sft", "--first-eval-from", "PHASES"], ["--first-eval-from", "--method sft"]),
 ])
 def test_flags_that_would_train_nothing_or_do_nothing_are_refused(capsys, tmp_path, argv, words):
     argv = [str(tmp_path / "phases") if a == "PHASES" else a for a in argv]
