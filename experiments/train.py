@@ -294,12 +294,13 @@ def reuse_first_evaluation(run: Path, config: RunConfig, out: Path, evaluate: Ca
     from one student evaluate it once. Refused (``UsageError``) unless RUN holds that evaluation and agrees with
     ``config`` in every field of ``FIRST_EVALUATION_FIELDS``. Equal settings give the same episodes up to the float
     rounding of batched decoding."""
-    from jaxopd.methods.run_folder import FIRST_EVALUATION_FIELDS, config_defaults, config_differences
+    from jaxopd.methods.run_folder import (FIRST_EVALUATION_FIELDS, config_defaults, config_differences,
+                                           saved_run_config)
 
     flag = f"--first-eval-from {str(run)!r}"
-    if not (run / CONFIG_FILE).is_file() or not (run / "eval.jsonl").is_file():
+    saved = saved_run_config(run)
+    if saved is None or not (run / "eval.jsonl").is_file():
         raise cli.UsageError(f"{flag}: not a run folder with an evaluation (no {CONFIG_FILE} or eval.jsonl)")
-    saved = json.loads((run / CONFIG_FILE).read_text())
     differ = config_differences(saved, config.to_dict(), config_defaults(config), only=FIRST_EVALUATION_FIELDS)
     if differ:
         raise cli.UsageError(f"{flag}: its evaluation of update 0 used other settings ({', '.join(differ)} differ)")
