@@ -12,8 +12,8 @@ import pytest  # noqa: E402
 
 os.environ.pop("JAXOPD_MALLOC_TUNING", None)    # glibc's defaults in the test session and the commands it starts
 # no persistent compilation cache either (test_compile_cache has its own), unless JAXOPD_TESTS_COMPILE_CACHE names a
-# folder: CI's slow run shares one among the commands its tests start (a killed and resumed run, the processes of a
-# multi-process run, a chain's stages), which compile the same programs again and again
+# folder: CI's slow run shares one among its pytest processes and the commands its tests start (a killed and resumed
+# run, the processes of a multi-process run, a chain's stages), which compile the same programs again and again
 os.environ["JAXOPD_COMPILE_CACHE"] = os.environ.get("JAXOPD_TESTS_COMPILE_CACHE") or "off"
 
 try:        # alfworld's import writes $ALFWORLD_DATA; import it once here the way envs does, which undoes that, so that
@@ -120,6 +120,9 @@ def pytest_terminal_summary(terminalreporter):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: heavier tests (run in CI; deselect with -m 'not slow')")
+    if os.environ["JAXOPD_COMPILE_CACHE"] != "off":     # the test processes read and write the shared cache too
+        from jaxopd.compile_cache import enable_compile_cache
+        enable_compile_cache()
 
 
 # llama.cpp's pre-tokenizer 'smollm' (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_SMOLLM): two regexes applied in turn,
