@@ -120,9 +120,8 @@ def pytest_terminal_summary(terminalreporter):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: heavier tests (run in CI; deselect with -m 'not slow')")
-    if os.environ["JAXOPD_COMPILE_CACHE"] != "off":     # the test processes read and write the shared cache too
-        from jaxopd.compile_cache import enable_compile_cache
-        enable_compile_cache()
+    from jaxopd.compile_cache import enable_compile_cache
+    enable_compile_cache()      # the test processes use the shared cache too (nothing when it is off)
 
 
 # llama.cpp's pre-tokenizer 'smollm' (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_SMOLLM): two regexes applied in turn,
