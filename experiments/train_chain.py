@@ -356,7 +356,9 @@ def _success(chain: Chain, name: str) -> dict[str, Any] | None:
 
 
 def summary_of(chain: Chain) -> dict[str, Any]:
-    """``summary.json``: teacher, student and one entry per method, from the stages' outputs."""
+    """``summary.json``: teacher, student and one entry per method that has run, from the stages' outputs. A method
+    not yet evaluated on ``EVAL_SPLIT`` has ``success`` None and its training figures (time, updates, the held-out
+    curve on ``TUNE_SPLIT``)."""
     compare = _read(chain.results / "compare" / "compare.json") or {}
     divergence = _read(chain.results / "divergence" / "divergence.json") or {}
     kl = {label: entry["reverse_kl"] for label, entry in divergence.get("models", {}).items()}
@@ -364,21 +366,26 @@ def summary_of(chain: Chain) -> dict[str, Any]:
     out: dict[str, Any] = {"teacher": _success(chain, "teacher"), "student": _success(chain, "student"),
                            "methods": {}}
     for method in METHODS:
-        entry = _success(chain, method)
-        if entry is None:
+        entry, run = _success(chain, method), runs.get(method)
+        if entry is None and run is None:
             continue
-        agent = compare.get("agents", {}).get(method, {})
-        run = runs.get(method, {})
+        entry = entry or {"success": None, "success_std": None, "episodes": 0}
+        run = run or {}
         if not run.get("updates"):        # no update trained (e.g. ActionOPD's groups all filtered): the run's own
             own = _read(chain.run_dir(method) / "summary.json") or {}
-            run = {"updates": own.get("updates"), "train_wall_s": own.get("wall_s")}
+            run = {**run, "updates": own.get("updates"), "train_wall_s": own.get("wall_s")}
+        agent = compare.get("agents", {}).get(method, {})
         entry.update(paired_delta=agent.get("difference"), paired_ci=agent.get("difference_ci"),
                      mcnemar_p=agent.get("mcnemar_p"),
                      reverse_kl_before=kl.get("student", {}).get("full"),
                      reverse_kl_after=kl.get(method, {}).get("full"),
                      reverse_kl_action_only_before=kl.get("student", {}).get("next_action"),
                      reverse_kl_action_only_after=kl.get(method, {}).get("next_action"),
-                     train_seconds=run.get("train_wall_s"), updates=run.get("updates"))
+                     train_seconds=run.get("train_wall_s"), updates=run.get("updates"),
+                     # the curve the run evaluated while training (held-out games of the training rooms)
+                     tune_split=run.get("eval_split"), tune_success_first=run.get("success_first"),
+                     tune_success_last=run.get("success_last"), tune_reverse_kl_first=run.get("rkl_first"),
+                     tune_reverse_kl_last=run.get("rkl_last"))
         sources = action_sources(chain.run_dir(method) / "train.jsonl")
         if sources:
             entry["action_sources"] = sources
@@ -397,16 +404,25 @@ PAPER_SPEEDUPS = (2.3, 1.8, 4.9)       # ActFirst-OPD's training-time ratios aga
 def speed_comparison(runs: dict[str, Any]) -> dict[str, Any] | None:
     """ActFirst-OPD against vanilla OPD on their held-out learning curves: vanilla's training seconds to its final
     success, ActFirst's training seconds to its first evaluation at or above that success, and their ratio (the
-    papers' 2.3x, 1.8x and 4.9x); None for a ratio ActFirst never reached."""
+    papers' 2.3x, 1.8x and 4.9x). The ratio is None where ActFirst never reached it, and undefined (None, with
+    ``vanilla_gain`` <= 0) where vanilla OPD did not raise its success at all; ``same_updates_ratio`` compares the
+    two runs' training seconds for the same number of updates."""
     vanilla, actfirst = runs.get("vanilla-opd"), runs.get("actfirst")
     if not vanilla or not actfirst or not vanilla.get("history") or not actfirst.get("history"):
         return None
-    target = vanilla["history"][-1]["success_rate_mean"]
-    vanilla_s = vanilla["history"][-1]["wall_s"]
-    reached = next((point["wall_s"] for point in actfirst["history"] if point["success_rate_mean"] >= target), None)
-    return {"vanilla_final_success": target, "vanilla_train_s": vanilla_s, "actfirst_time_to_it_s": reached,
-            "ratio": None if not reached else vanilla_s / reached, "paper_ratios": list(PAPER_SPEEDUPS),
-            "curve_split": vanilla.get("eval_split")}
+    start, target = vanilla["history"][0]["success_rate_mean"], vanilla["history"][-1]["success_rate_mean"]
+    vanilla_s = vanilla.get("train_wall_s") or vanilla["history"][-1]["wall_s"]
+    reached = None
+    if target > start:
+        reached = next((p["wall_s"] for p in actfirst["history"] if p["success_rate_mean"] >= target), None)
+    same = None
+    if vanilla.get("updates") and vanilla.get("updates") == actfirst.get("updates") and actfirst.get("train_wall_s"):
+        same = vanilla_s / actfirst["train_wall_s"]
+    return {"vanilla_first_success": start, "vanilla_final_success": target, "vanilla_gain": target - start,
+            "vanilla_train_s": vanilla_s, "actfirst_time_to_it_s": reached,
+            "ratio": vanilla_s / reached if reached else None, "updates": vanilla.get("updates"),
+            "actfirst_train_s": actfirst.get("train_wall_s"), "same_updates_ratio": same,
+            "paper_ratios": list(PAPER_SPEEDUPS), "curve_split": vanilla.get("eval_split")}
 
 
 def throughput_of(bench: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -439,11 +455,12 @@ def _pct(value: Any) -> str:
 def summary_table(summary: dict[str, Any]) -> str:
     """The markdown table of ``summary.json``."""
     lines = ["| model | success % (mean ± std over seeds) | episodes | paired Δ vs student (95 % CI) | McNemar p | "
-             "reverse KL before → after | training s | updates |", "|---|---:|---:|---|---:|---|---:|---:|"]
+             "reverse KL before → after | training s | updates | while training: held-out success %, reverse KL |",
+             "|---|---:|---:|---|---:|---|---:|---:|---|"]
     rows = [("teacher", summary["teacher"]), ("student", summary["student"])] + list(summary["methods"].items())
     for name, entry in rows:
         if entry is None:
-            lines.append(f"| {name} | — | | | | | | |")
+            lines.append(f"| {name} | — | | | | | | | |")
             continue
         std = entry.get("success_std")
         success = _pct(entry["success"]) + ("" if std is None else f" ± {100 * std:.1f}")
@@ -456,14 +473,32 @@ def summary_table(summary: dict[str, Any]) -> str:
         if entry.get("reverse_kl_before") is not None and entry.get("reverse_kl_after") is not None:
             kl = f"{entry['reverse_kl_before']:.3f} → {entry['reverse_kl_after']:.3f}"
         seconds = "" if entry.get("train_seconds") is None else f"{entry['train_seconds']:.0f}"
-        lines.append(f"| {name} | {success} | {entry['episodes']} | {delta} | {p} | {kl} | {seconds} | "
-                     f"{entry.get('updates') or ''} |")
+        tune = ""
+        if entry.get("tune_split"):
+            tune = f"{_pct(entry['tune_success_first'])} → {_pct(entry['tune_success_last'])}"
+            if entry.get("tune_reverse_kl_first") is not None and entry.get("tune_reverse_kl_last") is not None:
+                tune += f", {entry['tune_reverse_kl_first']:.3f} → {entry['tune_reverse_kl_last']:.3f}"
+            tune += f" ({entry['tune_split']})"
+        lines.append(f"| {name} | {success} | {entry['episodes'] or ''} | {delta} | {p} | {kl} | {seconds} | "
+                     f"{entry.get('updates') or ''} | {tune} |")
     speed = summary.get("actfirst_vs_vanilla")
     if speed:
-        ratio = "not reached" if speed["ratio"] is None else f"{speed['ratio']:.2f}x"
-        lines += ["", f"ActFirst-OPD to vanilla OPD's final held-out success ({_pct(speed['vanilla_final_success'])} "
-                      f"% on {speed['curve_split']}): {ratio} less training time (the paper: "
-                      f"{', '.join(f'{r}x' for r in speed['paper_ratios'])})."]
+        paper = ", ".join(f"{r}x" for r in speed["paper_ratios"])
+        held = f"{_pct(speed['vanilla_first_success'])} → {_pct(speed['vanilla_final_success'])} % on " \
+               f"{speed['curve_split']}"
+        if speed["vanilla_gain"] <= 0:
+            line = ("ActFirst-OPD's time to vanilla OPD's held-out success: undefined, vanilla OPD did not raise it "
+                    f"({held}).")
+        elif speed["ratio"] is None:
+            line = f"ActFirst-OPD never reached vanilla OPD's final held-out success ({held})."
+        else:
+            line = f"ActFirst-OPD reached vanilla OPD's final held-out success ({held}) in {speed['ratio']:.2f}x " \
+                   f"less training time (the paper: {paper})."
+        if speed.get("same_updates_ratio"):
+            line += f" Training time of the same {speed['updates']} updates, vanilla / ActFirst: " \
+                    f"{speed['vanilla_train_s']:.0f} / {speed['actfirst_train_s']:.0f} s = " \
+                    f"{speed['same_updates_ratio']:.2f}x (the paper's ratios: {paper})."
+        lines += ["", line]
     throughput = summary.get("env_throughput")
     if throughput:
         paper = throughput["paper"]

@@ -82,3 +82,31 @@ def test_the_smoke_chain_runs_end_to_end_and_resumes(tmp_path, monkeypatch, caps
     assert ran[:1] == [f"report: running (log {work}/logs/report.log)"]
     again = json.loads((results / "summary.json").read_text())
     assert again["methods"] == summary["methods"] and again["teacher"] == summary["teacher"]
+
+
+def _run(updates, train_s, curve):
+    return {"updates": updates, "train_wall_s": train_s, "eval_split": "valid_seen",
+            "history": [{"update": u, "wall_s": w, "success_rate_mean": s} for u, w, s in curve]}
+
+
+def test_actfirst_against_vanilla_times_the_papers_ratio_and_says_when_it_is_undefined():
+    vanilla = _run(10, 3000.0, [(0, 0.0, 0.1), (5, 1600.0, 0.3), (10, 3100.0, 0.5)])
+    actfirst = _run(10, 2500.0, [(0, 0.0, 0.1), (5, 1200.0, 0.5), (10, 2400.0, 0.6)])
+    speed = train_chain.speed_comparison({"vanilla-opd": vanilla, "actfirst": actfirst})
+    # vanilla's training seconds (its runs' own count, not the last evaluation's) over ActFirst's time to 50 %
+    assert speed["vanilla_gain"] == pytest.approx(0.4) and speed["actfirst_time_to_it_s"] == 1200.0
+    assert speed["ratio"] == pytest.approx(3000.0 / 1200.0)
+    assert speed["same_updates_ratio"] == pytest.approx(3000.0 / 2500.0)
+    assert "in 2.50x less training time" in train_chain.summary_table(
+        {"teacher": None, "student": None, "methods": {}, "actfirst_vs_vanilla": speed})
+
+    slow = _run(10, 2500.0, [(0, 0.0, 0.1), (10, 2400.0, 0.4)])
+    assert train_chain.speed_comparison({"vanilla-opd": vanilla, "actfirst": slow})["ratio"] is None
+
+    # a vanilla run that never rose: every ActFirst point "reaches" it at update 0, which is no speed-up at all
+    flat = _run(10, 3000.0, [(0, 0.0, 0.0), (10, 3100.0, 0.0)])
+    speed = train_chain.speed_comparison({"vanilla-opd": flat, "actfirst": _run(8, 2000.0, [(0, 0.0, 0.0)])})
+    assert speed["ratio"] is None and speed["actfirst_time_to_it_s"] is None and speed["vanilla_gain"] == 0.0
+    assert speed["same_updates_ratio"] is None                  # different numbers of updates are not compared
+    text = train_chain.summary_table({"teacher": None, "student": None, "methods": {}, "actfirst_vs_vanilla": speed})
+    assert "undefined, vanilla OPD did not raise it (0.0 → 0.0 % on valid_seen)" in text
