@@ -65,6 +65,10 @@ class Recipe:
     method_updates: int
     method_lr: float
     method_lora_top: int                    # LoRA on the student's top N layers in the methods
+    # ActionOPD counts its budget in collections, each one epoch over what it collected (collection_tasks episodes;
+    # on the cpu preset about 60 retained turns, 8 steps of 8): None takes method_updates and curve_every as they are
+    collections: int | None = None
+    collection_curve_every: int | None = None     # steps between ActionOPD's held-out evaluations
     lora_rank: int = 16
     sft_batch: int = 4
     eval_seeds: tuple[int, ...] = (42, 43, 44)
@@ -88,7 +92,7 @@ PROFILES: dict[str, Recipe] = {
     "cpu": Recipe(teacher_steps=400, teacher_lr=3e-4, teacher_lora_layers=tuple(range(20, 30)),
                   student_keep=("0-14", "0-13,29", "0-11,27-29", "0-7,23-29", "0-28:2", "0-3,19-29", "0-1,17-29"),
                   student_steps=120, student_lr=5e-4, method_updates=10, method_lr=1e-4, method_lora_top=8,
-                  curve_every=5),
+                  curve_every=5, collections=3, collection_curve_every=12),
     "smoke": Recipe(teacher_steps=2, teacher_lr=1e-3, teacher_lora_layers=(1,), student_keep=("0", "1"),
                     student_steps=1, student_lr=1e-3, method_updates=1, method_lr=1e-4, method_lora_top=1,
                     lora_rank=2, sft_batch=2, eval_seeds=(42,), eval_tasks=1, eval_max_turns=2,
@@ -187,11 +191,16 @@ class Chain:
         from jaxopd.models.folders import load_folder
         layers = load_folder(self.model("student")).config.num_layers
         top = range(max(0, layers - r.method_lora_top), layers)
+        from jaxopd.methods.registry import method_class
+        updates, every = r.method_updates, r.curve_every
+        if method_class(method).trains_in_collections:
+            # the same budget in supervised turns: 3 collections retain about 180 turns, the others train on 160
+            updates, every = r.collections or updates, r.collection_curve_every or every
         return [self._module(
             "experiments.train", "--method", method, "--preset", "cpu", "--student", self.model("student"),
             "--teacher", self.model("teacher"), "--lora-rank", r.lora_rank, "--lora-layers", *top,
-            "--updates", r.method_updates, "--learning-rate", r.method_lr, "--sft-thinking", "plan",
-            "--eval-split", TUNE_SPLIT, "--eval-every", r.curve_every, "--eval-tasks", r.curve_tasks,
+            "--updates", updates, "--learning-rate", r.method_lr, "--sft-thinking", "plan",
+            "--eval-split", TUNE_SPLIT, "--eval-every", every, "--eval-tasks", r.curve_tasks,
             "--eval-seeds", r.eval_seeds[0], *self._eval_flags(), "--remat-layers", "on", "--no-progress",
             *r.extra_method, *self._first_evaluation(method),
             "--out", self.work / "runs" / method, "--export", self.model(method))]
