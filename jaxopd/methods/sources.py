@@ -18,7 +18,7 @@ import abc
 import dataclasses
 import queue
 import threading
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -40,18 +40,30 @@ POLL_S = 0.25                  # how often a trainer waiting for samples looks f
 @dataclasses.dataclass
 class Counters:
     """The run's counters that a checkpoint carries: the first task index not yet delivered (``cursor``), the
-    collection steps or sync waves played, the episodes played and failed, and the training wall-clock."""
+    collection steps or sync waves played, the episodes played and failed, the training wall-clock, and the
+    trainable samples of the latest waves (``wave_sizes``, wave -> samples; a resumed run still names the size of
+    the collection step whose epoch it finishes)."""
 
     cursor: int = 0
     collections: int = 0
     episodes: int = 0
     failed_episodes: int = 0
     wall_s: float = 0.0
+    wave_sizes: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    KEPT_SIZES: ClassVar[int] = 4       # the buffer holds samples of the last two waves at most (lag <= 1)
 
     def load(self, metadata: Mapping[str, Any]) -> None:
         for field in dataclasses.fields(self):
-            if field.name in metadata:
+            if field.name == "wave_sizes":      # JSON metadata keys are strings
+                self.wave_sizes = {int(k): int(v) for k, v in metadata.get(field.name, {}).items()}
+            elif field.name in metadata:
                 setattr(self, field.name, type(getattr(self, field.name))(metadata[field.name]))
+
+    def sized(self, wave: int, samples: int) -> None:
+        self.wave_sizes[wave] = samples
+        for old in sorted(self.wave_sizes)[:-self.KEPT_SIZES]:
+            del self.wave_sizes[old]
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -219,7 +231,6 @@ class SyncWaves(SampleSource):
     def __init__(self, method: Method, config: Any, strategy: Any, tasks: TaskStream, counters: Counters):
         super().__init__(method, config, strategy, tasks, counters)
         self.wave, self.wanted = config.rollout_slots, config.batch_size
-        self.sizes: dict[int, int] = {}     # trainable samples of each wave / collection step
 
     def fill(self, buffer: SampleBuffer, version: int, wait: Callable[[], None]) -> None:
         counters, empty = self.counters, 0
@@ -239,7 +250,7 @@ class SyncWaves(SampleSource):
             self.played.extend(trajectories)
             before = buffer.available(version)
             buffer.add(self._fit(self.method.samples(trajectories, collection_id=collection)))
-            self.sizes[collection] = buffer.available(version) - before
+            counters.sized(collection, buffer.available(version) - before)
             empty = empty + 1 if buffer.available(version) == before else 0
             wait()
 
@@ -304,7 +315,7 @@ class Collections(SyncWaves):
     def record(self, samples: Sequence[Sample]) -> dict[str, Any]:
         collection = max(sample.collection for sample in samples)   # which collection step this minibatch is of
         return {"collection": collection, "collections": self.counters.collections,
-                "collection_samples": self.sizes.get(collection, -1)}
+                "collection_samples": self.counters.wave_sizes.get(collection, -1)}
 
     def _budget_spent(self) -> bool:
         return self.counters.collections >= self.config.updates

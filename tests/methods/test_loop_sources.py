@@ -3,6 +3,7 @@ and count their episodes, a run of empty waves is an error naming the last failu
 their budget and report which collection a minibatch is of, and the counters a checkpoint carries round-trip."""
 from __future__ import annotations
 
+import json
 import types
 
 import numpy as np
@@ -71,7 +72,8 @@ def test_sync_waves_fill_in_task_order_and_count_episodes():
     source.fill(buffer, 0, wait=lambda: waits.append(1))
     # 1 trainable sample per episode (the other is too long): 2 waves of 2 episodes give 4 >= 3
     assert buffer.available(0) == 4 and source.too_long == 4 and len(waits) == 2
-    assert counters.as_dict() == {"cursor": 4, "collections": 2, "episodes": 4, "failed_episodes": 0, "wall_s": 0.0}
+    assert counters.as_dict() == {"cursor": 4, "collections": 2, "episodes": 4, "failed_episodes": 0, "wall_s": 0.0,
+                                  "wave_sizes": {0: 2, 1: 2}}
     order = [stream().at(i)[0].task_id for i in range(4)]
     assert sum(strategy.played, []) == order
     assert len(source.take_played()) == 4 and source.take_played() == []
@@ -118,6 +120,21 @@ def test_collections_without_a_signal_are_an_error():
 
 def test_counters_round_trip_through_checkpoint_metadata():
     counters = Counters(cursor=9, collections=2, episodes=7, failed_episodes=1, wall_s=3.5)
+    for wave in range(6):
+        counters.sized(wave, 10 + wave)
+    assert counters.wave_sizes == {2: 12, 3: 13, 4: 14, 5: 15}       # the latest waves only
     again = Counters()
-    again.load({**counters.as_dict(), "config": {"method": "actfirst"}})
+    again.load(json.loads(json.dumps({**counters.as_dict(), "config": {"method": "actfirst"}})))  # keys as strings
     assert again == counters and isinstance(again.cursor, int) and isinstance(again.wall_s, float)
+
+
+def test_a_resumed_collection_still_names_its_size():
+    """The size of the collection step whose epoch a resumed run finishes comes from the checkpoint's counters."""
+    counters, method = Counters(), Collecting(per_episode=1)
+    source = make_source(method, config(updates=2), Strategy(), stream(), counters)
+    buffer = SampleBuffer()
+    source.fill(buffer, 0, wait=lambda: None)
+    resumed = Counters()
+    resumed.load(json.loads(json.dumps(counters.as_dict())))
+    again = make_source(method, config(updates=2), Strategy(), stream(), resumed)
+    assert again.record(buffer.take(2, 0, allow_partial=True))["collection_samples"] == 3

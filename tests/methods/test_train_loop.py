@@ -206,6 +206,7 @@ def test_actionopd_trains_syncs_and_resumes_exactly(source, tokenizer, tmp_path)
     again = read_jsonl(out / "train.jsonl")
     assert [r["step"] for r in again] == list(range(1, last + 1))
     assert again[-1]["loss"] == records[-1]["loss"]
+    assert again[-1]["collection_samples"] == records[-1]["collection_samples"] > 0   # the checkpoint's counters
 
 
 @pytest.mark.slow
